@@ -1,0 +1,5 @@
+"""`python -m p2pdiloco` is the same as the `p2pdiloco` command."""
+
+from p2pdiloco.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,361 @@
+"""Run configuration: frozen dataclasses, one per component, loaded from TOML.
+
+Every field has a working default and a docstring-style comment with its unit.
+`load_config(path, overrides)` reads a TOML file (optional) and then applies
+`section.key=value` overrides; unknown sections or keys, wrong types and values out
+of range are `ConfigError`s naming the dotted field. The shipped `default.toml`
+equals these defaults (a test checks it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from p2pdiloco.errors import ConfigError
+
+MODEL_PRESETS = ("tiny", "small", "150m", "1b")
+DEVICES = ("auto", "cpu", "cuda", "mps", "xla")
+MERGE_RULES = ("mean", "token", "radial")
+RADIAL_NORMS = ("mean", "median")
+ON_RECEIVE = ("overwrite", "rebase", "mix")
+CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "fp4", "topk")
+
+
+def _check(cond: bool, name: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name} {message}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The decoder to train."""
+
+    preset: str = "small"
+    """Size preset: tiny (~1M params, tests), small (~10M, CPU demos), 150m, 1b."""
+    seq_len: int = 128
+    """Tokens (bytes) per training sequence."""
+
+    def __post_init__(self) -> None:
+        _check(self.preset in MODEL_PRESETS, "model.preset", f"must be one of {MODEL_PRESETS}, got {self.preset!r}")
+        _check(8 <= self.seq_len <= 65536, "model.seq_len", f"must be in [8, 65536], got {self.seq_len}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where training text comes from and how it is split."""
+
+    source: str = "stdlib"
+    """`stdlib` (the running Python's standard library source), a path to .txt/.jsonl/.parquet
+    files or a folder of them, or `hf:NAME` for a Hugging Face dataset (needs the `hf` extra)."""
+    text_field: str = "text"
+    """Field holding the text in .jsonl/.parquet records and Hugging Face datasets."""
+    heldout_fraction: float = 0.05
+    """Fraction of files (by stable hash of their relative path) kept for evaluation."""
+    max_files: int = 0
+    """Read at most this many files (0 = all); keeps demos and tests fast."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.source), "data.source", "must not be empty")
+        _check(bool(self.text_field), "data.text_field", "must not be empty")
+        _check(0.0 < self.heldout_fraction < 1.0, "data.heldout_fraction", f"must be in (0, 1), got {self.heldout_fraction}")
+        _check(self.max_files >= 0, "data.max_files", f"must be >= 0, got {self.max_files}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The inner loop each learner runs on its own replica (AdamW)."""
+
+    device: str = "auto"
+    """Compute device: auto, cpu, cuda, mps or xla (TPU via torch_xla)."""
+    batch_size: int = 8
+    """Sequences per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per inner step."""
+    lr: float = 3e-3
+    """Peak inner learning rate (AdamW)."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    warmup_steps: int = 50
+    """Linear warm-up length, in inner steps."""
+    total_steps: int = 2000
+    """Inner steps of the cosine schedule; after it the lr stays at its floor."""
+    min_lr_ratio: float = 0.1
+    """Floor of the cosine schedule as a fraction of `lr`."""
+    grad_clip: float = 1.0
+    """Max global gradient L2 norm (0 disables clipping)."""
+    seed: int = 0
+    """Seed for model init (shared by all peers) and, mixed with the peer's rank, data order."""
+
+    def __post_init__(self) -> None:
+        _check(self.device in DEVICES, "train.device", f"must be one of {DEVICES}, got {self.device!r}")
+        _check(self.batch_size >= 1, "train.batch_size", f"must be >= 1, got {self.batch_size}")
+        _check(self.grad_accum >= 1, "train.grad_accum", f"must be >= 1, got {self.grad_accum}")
+        _check(0.0 < self.lr < 1.0, "train.lr", f"must be in (0, 1), got {self.lr}")
+        _check(self.weight_decay >= 0.0, "train.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        _check(0.0 <= self.beta1 < 1.0, "train.beta1", f"must be in [0, 1), got {self.beta1}")
+        _check(0.0 <= self.beta2 < 1.0, "train.beta2", f"must be in [0, 1), got {self.beta2}")
+        _check(self.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _check(self.total_steps >= 1, "train.total_steps", f"must be >= 1, got {self.total_steps}")
+        _check(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        _check(self.grad_clip >= 0.0, "train.grad_clip", f"must be >= 0, got {self.grad_clip}")
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """The outer optimizer and the merge rule applied to learners' deltas."""
+
+    lr: float = 0.7
+    """Outer learning rate (DiLoCo default 0.7)."""
+    momentum: float = 0.9
+    """Outer Nesterov momentum (DiLoCo default 0.9)."""
+    nesterov: bool = True
+    """Nesterov momentum (True) or heavy-ball (False)."""
+    merge: str = "token"
+    """Merge rule: mean, token (token-weighted mean) or radial (radial-directional)."""
+    max_weight_share: float = 0.5
+    """No learner gets more than this share of the total merge weight (1.0 = no cap)."""
+    radial_norm: str = "mean"
+    """Radial term of the radial-directional rule: weighted mean or median of norms."""
+    delayed_nesterov_every: int = 1
+    """Apply momentum once per this many merges (1 = ordinary Nesterov)."""
+
+    def __post_init__(self) -> None:
+        _check(0.0 < self.lr <= 10.0, "outer.lr", f"must be in (0, 10], got {self.lr}")
+        _check(0.0 <= self.momentum < 1.0, "outer.momentum", f"must be in [0, 1), got {self.momentum}")
+        _check(self.merge in MERGE_RULES, "outer.merge", f"must be one of {MERGE_RULES}, got {self.merge!r}")
+        _check(0.0 < self.max_weight_share <= 1.0, "outer.max_weight_share", f"must be in (0, 1], got {self.max_weight_share}")
+        _check(self.radial_norm in RADIAL_NORMS, "outer.radial_norm", f"must be one of {RADIAL_NORMS}, got {self.radial_norm!r}")
+        _check(self.delayed_nesterov_every >= 1, "outer.delayed_nesterov_every", f"must be >= 1, got {self.delayed_nesterov_every}")
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """When fragments are synchronised and how a synchronizer closes a round."""
+
+    inner_steps: int = 50
+    """H: inner steps between two synchronisations of the same fragment."""
+    num_fragments: int = 1
+    """F: parameter fragments, staggered by H/F steps (1 = plain DiLoCo)."""
+    min_quorum: int = 1
+    """K: learners that must report before a round may close."""
+    min_token_fraction: float = 0.0
+    """Also require this fraction of the tokens expected from live learners (0 = off)."""
+    overlap_steps: int = 2
+    """tau: inner steps of compute that overlap a synchronisation (paper Eq. 3)."""
+    grace_gamma: float = 0.5
+    """gamma < 1: share of the slack spent waiting for stragglers (paper Eq. 3)."""
+    max_grace_s: float = 5.0
+    """Upper bound on the grace window, in seconds."""
+    round_deadline_s: float = 60.0
+    """A round with no result after this many seconds fails over to the next synchronizer."""
+    max_staleness_rounds: int = 2
+    """Deltas whose base is more than this many rounds old are rejected."""
+    staleness_discount: float = 0.5
+    """Weight multiplier per round of staleness of an accepted delta."""
+    norm_outlier_factor: float = 10.0
+    """Reject deltas whose norm is more than this factor from the median (or below 1/factor)."""
+    on_receive: str = "overwrite"
+    """overwrite (paper), rebase (keep in-flight progress) or mix (blend with mix_alpha)."""
+    mix_alpha: float = 0.5
+    """Weight of the global fragment in `mix` mode."""
+
+    def __post_init__(self) -> None:
+        _check(self.inner_steps >= 1, "sync.inner_steps", f"must be >= 1, got {self.inner_steps}")
+        _check(1 <= self.num_fragments <= self.inner_steps, "sync.num_fragments", f"must be in [1, sync.inner_steps={self.inner_steps}], got {self.num_fragments}")
+        _check(self.min_quorum >= 1, "sync.min_quorum", f"must be >= 1, got {self.min_quorum}")
+        _check(0.0 <= self.min_token_fraction <= 1.0, "sync.min_token_fraction", f"must be in [0, 1], got {self.min_token_fraction}")
+        _check(self.overlap_steps >= 0, "sync.overlap_steps", f"must be >= 0, got {self.overlap_steps}")
+        _check(0.0 <= self.grace_gamma < 1.0, "sync.grace_gamma", f"must be in [0, 1), got {self.grace_gamma}")
+        _check(self.max_grace_s >= 0.0, "sync.max_grace_s", f"must be >= 0, got {self.max_grace_s}")
+        _check(self.round_deadline_s > 0.0, "sync.round_deadline_s", f"must be > 0, got {self.round_deadline_s}")
+        _check(self.max_staleness_rounds >= 0, "sync.max_staleness_rounds", f"must be >= 0, got {self.max_staleness_rounds}")
+        _check(0.0 < self.staleness_discount <= 1.0, "sync.staleness_discount", f"must be in (0, 1], got {self.staleness_discount}")
+        _check(self.norm_outlier_factor > 1.0, "sync.norm_outlier_factor", f"must be > 1, got {self.norm_outlier_factor}")
+        _check(self.on_receive in ON_RECEIVE, "sync.on_receive", f"must be one of {ON_RECEIVE}, got {self.on_receive!r}")
+        _check(0.0 <= self.mix_alpha <= 1.0, "sync.mix_alpha", f"must be in [0, 1], got {self.mix_alpha}")
+
+
+@dataclass(frozen=True)
+class CompressConfig:
+    """Codecs for learner deltas and for the published outer gradient."""
+
+    codec: str = "int8"
+    """Codec of learner deltas: fp32, fp16, bf16, int8, int4, fp4 or topk."""
+    outer_codec: str = "int8"
+    """Codec of the merged outer gradient the synchronizer publishes."""
+    block_size: int = 256
+    """Elements per absmax-scale block of the int8/int4/fp4 codecs."""
+    topk_fraction: float = 0.05
+    """Share of entries the topk codec keeps."""
+    error_feedback: bool = True
+    """Keep what a lossy codec did not send and add it to the next delta (SparseLoCo)."""
+    zstd: bool = False
+    """Add a lossless zstd stage on top of the codec."""
+
+    def __post_init__(self) -> None:
+        _check(self.codec in CODECS, "compress.codec", f"must be one of {CODECS}, got {self.codec!r}")
+        _check(self.outer_codec in CODECS, "compress.outer_codec", f"must be one of {CODECS}, got {self.outer_codec!r}")
+        _check(2 <= self.block_size <= 1 << 20 and self.block_size % 2 == 0, "compress.block_size", f"must be even and in [2, 1048576], got {self.block_size}")
+        _check(0.0 < self.topk_fraction <= 1.0, "compress.topk_fraction", f"must be in (0, 1], got {self.topk_fraction}")
+
+
+@dataclass(frozen=True)
+class SimulateConfig:
+    """The in-process simulator and its synchronous data-parallel baseline."""
+
+    learners: int = 4
+    """M: learners simulated round-robin in one process."""
+    rounds: int = 10
+    """Outer rounds to run (each is sync.inner_steps inner steps per learner)."""
+    eval_batches: int = 8
+    """Held-out batches per evaluation."""
+    eval_every_rounds: int = 1
+    """Evaluate both runs after every this many rounds."""
+    baseline: bool = True
+    """Also run synchronous data parallel on the same tokens and compute."""
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.learners <= 256, "simulate.learners", f"must be in [1, 256], got {self.learners}")
+        _check(self.rounds >= 1, "simulate.rounds", f"must be >= 1, got {self.rounds}")
+        _check(self.eval_batches >= 1, "simulate.eval_batches", f"must be >= 1, got {self.eval_batches}")
+        _check(self.eval_every_rounds >= 1, "simulate.eval_every_rounds", f"must be >= 1, got {self.eval_every_rounds}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a run agrees on, one section per component."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    compress: CompressConfig = field(default_factory=CompressConfig)
+    simulate: SimulateConfig = field(default_factory=SimulateConfig)
+
+
+DEFAULT_TOML = Path(__file__).with_name("default.toml")
+
+
+def _coerce(value: Any, kind: Any, name: str) -> Any:
+    """Check `value` against the field type `kind`; ints are accepted for floats."""
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be a boolean (true/false), got {value!r}")
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{name} must be an integer, got {value!r}")
+        return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{name} must be a number, got {value!r}")
+        return float(value)
+    if kind is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{name} must be a string, got {value!r}")
+        return value
+    raise AssertionError(f"unsupported config field type {kind!r} for {name}")
+
+
+def _build_section(cls: type, name: str, values: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown key {name}.{unknown[0]} (known: {', '.join(sorted(known))})")
+    kwargs = {key: _coerce(val, hints[key], f"{name}.{key}") for key, val in values.items()}
+    return cls(**kwargs)
+
+
+def config_from_dict(raw: dict[str, Any]) -> RunConfig:
+    """Build a validated `RunConfig` from nested plain data (as TOML gives it)."""
+    hints = typing.get_type_hints(RunConfig)
+    unknown = sorted(set(raw) - set(hints))
+    if unknown:
+        raise ConfigError(f"unknown config section [{unknown[0]}] (known: {', '.join(hints)})")
+    sections = {}
+    for name, cls in hints.items():
+        values = raw.get(name, {})
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{name}] must be a table, got {values!r}")
+        sections[name] = _build_section(cls, name, values)
+    return RunConfig(**sections)
+
+
+def config_to_dict(config: RunConfig) -> dict[str, dict[str, Any]]:
+    """Nested plain data of a config (inverse of `config_from_dict`)."""
+    return dataclasses.asdict(config)
+
+
+def _parse_override_value(text: str) -> Any:
+    """Parse the value of `--set key=value` as a TOML value, falling back to a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of `raw` with `section.key=value` overrides applied."""
+    merged = {key: dict(val) if isinstance(val, dict) else val for key, val in raw.items()}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot or not section or not name:
+            raise ConfigError(f"override {item!r} must look like section.key=value, e.g. sync.min_quorum=2")
+        merged.setdefault(section, {})
+        if not isinstance(merged[section], dict):
+            raise ConfigError(f"[{section}] must be a table")
+        merged[section][name] = _parse_override_value(text.strip())
+    return merged
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a run config from TOML (defaults when `path` is None), then apply overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    return config_from_dict(apply_overrides(raw, overrides or []))
+
+
+def replace(config: RunConfig, **sections: dict[str, Any]) -> RunConfig:
+    """A copy of `config` with some fields of some sections changed (validated again)."""
+    raw = config_to_dict(config)
+    for name, values in sections.items():
+        raw[name].update(values)
+    return config_from_dict(raw)
+
+
+def render_toml(config: RunConfig) -> str:
+    """Render a config as TOML (flat sections of scalars), e.g. to publish a run's config."""
+    lines: list[str] = []
+    for section, values in config_to_dict(config).items():
+        lines.append(f"[{section}]")
+        for key, val in values.items():
+            if isinstance(val, bool):
+                text = "true" if val else "false"
+            elif isinstance(val, str):
+                text = '"' + val.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            else:
+                text = repr(val)
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    return "\n".join(lines)
