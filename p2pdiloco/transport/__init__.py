@@ -1,0 +1,61 @@
+"""Transports: one narrow interface (`Transport`), implementations imported lazily.
+
+hivemind and py-libp2p cannot be imported in the same process (both register the
+protobuf symbol `crypto.pb.KeyType`), so `make_transport` imports only the one asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from p2pdiloco.transport.base import (
+    CHUNK_BYTES,
+    DEFAULT_MAX_BYTES,
+    AddressInUse,
+    CallTimeout,
+    Handler,
+    PeerUnreachable,
+    RemoteError,
+    RequestTooLarge,
+    ResponseTooLarge,
+    Transport,
+    TransportClosed,
+    TransportError,
+    TransportStartError,
+)
+
+__all__ = [
+    "CHUNK_BYTES",
+    "DEFAULT_MAX_BYTES",
+    "AddressInUse",
+    "CallTimeout",
+    "Handler",
+    "PeerUnreachable",
+    "RemoteError",
+    "RequestTooLarge",
+    "ResponseTooLarge",
+    "Transport",
+    "TransportClosed",
+    "TransportError",
+    "TransportStartError",
+    "TRANSPORT_KINDS",
+    "make_transport",
+]
+
+TRANSPORT_KINDS = ("hivemind", "memory")
+
+
+def make_transport(kind: str, **options: Any) -> Transport:
+    """Build a transport of `kind` ("hivemind" or "memory") from its constructor options.
+
+    "memory" needs `network=MemoryNetwork(...)`; see each class for its options.
+    """
+    if kind == "hivemind":
+        from p2pdiloco.transport.hivemind import HivemindTransport
+
+        return HivemindTransport(**options)
+    if kind == "memory":
+        from p2pdiloco.transport.memory import MemoryTransport
+
+        return MemoryTransport(**options)
+    raise ValueError(f"transport kind must be one of {', '.join(TRANSPORT_KINDS)}, got {kind!r}")

@@ -1,0 +1,144 @@
+"""The narrow transport interface every networked part of p2pdiloco talks to.
+
+A transport gives a peer three things and nothing more:
+
+- an identity (`peer_id`, `visible_maddrs()`),
+- request/response RPC carrying opaque bytes (`register_handler`, `call`), moved in
+  bounded chunks with a size limit on each side and a deadline on every call,
+- expiring DHT records under (key, subkey) (`store`, `get`) on a shared clock (`now`).
+
+Faults are raised as one exception tree, so a caller catches `TransportError` and turns
+it into a `Rejected(reason)` or a skipped round, never a crash or a hang:
+
+    TransportError              base of every peer and network fault
+    ├── PeerUnreachable         no route / connection refused / peer gone mid-call
+    ├── CallTimeout             the call's deadline `timeout_s` passed
+    ├── RemoteError             the remote handler failed or refused the request
+    │   └── RequestTooLarge     the request exceeded the remote's `max_request_bytes`
+    ├── ResponseTooLarge        the response exceeded our `max_response_bytes`
+    ├── TransportClosed         the local transport is not started or already shut down
+    └── TransportStartError     the local transport could not start (also NetworkSetupError)
+        └── AddressInUse        the listen port is already taken
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+
+from p2pdiloco.errors import NetworkSetupError
+
+Handler = Callable[[str, bytes], Awaitable[bytes]]
+"""An RPC handler: `(caller_peer_id, request_bytes) -> response_bytes`."""
+
+CHUNK_BYTES = 1 << 20
+"""Payloads move in chunks of at most this many bytes (1 MiB)."""
+
+DEFAULT_MAX_BYTES = 64 << 20
+"""Default request/response size limit, bytes (64 MiB)."""
+
+
+class TransportError(Exception):
+    """A peer or network fault; callers catch this and carry on."""
+
+
+class PeerUnreachable(TransportError):
+    """The peer could not be reached or dropped the stream mid-call."""
+
+
+class CallTimeout(TransportError):
+    """The call did not complete within its `timeout_s`."""
+
+
+class RemoteError(TransportError):
+    """The remote handler raised, refused the request or does not exist."""
+
+
+class RequestTooLarge(RemoteError):
+    """The remote refused a request larger than its `max_request_bytes`."""
+
+
+class ResponseTooLarge(TransportError):
+    """The response was larger than the caller's `max_response_bytes`; it was not read."""
+
+
+class TransportClosed(TransportError):
+    """The local transport is not started or has been shut down."""
+
+
+class TransportStartError(TransportError, NetworkSetupError):
+    """The local transport could not start; the message says why and what to do."""
+
+
+class AddressInUse(TransportStartError):
+    """The requested listen address (host:port) is already in use."""
+
+
+def check_size_limit(name: str, value: int) -> int:
+    """Validate a byte limit given by the caller; returns it."""
+    if not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int of bytes, got {value!r}")
+    return value
+
+
+class Transport(ABC):
+    """One peer's view of the network (asyncio; use from a single event loop)."""
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Join the network; returns once the peer can serve and call."""
+
+    @abstractmethod
+    async def shutdown(self) -> None:
+        """Leave the network and release every resource. Idempotent, never raises."""
+
+    @abstractmethod
+    async def wait_until_ready(self, timeout_s: float) -> None:
+        """Wait until `start()` completed; raises `TransportStartError` after `timeout_s`."""
+
+    @property
+    @abstractmethod
+    def peer_id(self) -> str:
+        """This peer's id (base58 libp2p peer id for real transports)."""
+
+    @property
+    @abstractmethod
+    def client_mode(self) -> bool:
+        """True when this peer cannot accept incoming connections (behind NAT)."""
+
+    @abstractmethod
+    def visible_maddrs(self) -> list[str]:
+        """Multiaddrs (with `/p2p/<peer_id>`) other peers can bootstrap from."""
+
+    @abstractmethod
+    async def register_handler(
+        self, name: str, handler: Handler, max_request_bytes: int = DEFAULT_MAX_BYTES
+    ) -> None:
+        """Serve RPC `name`; requests over `max_request_bytes` are refused unread."""
+
+    @abstractmethod
+    async def call(
+        self,
+        peer_id: str,
+        name: str,
+        request: bytes,
+        timeout_s: float,
+        max_response_bytes: int = DEFAULT_MAX_BYTES,
+    ) -> bytes:
+        """Call RPC `name` on `peer_id`; raises a `TransportError` within ~`timeout_s`."""
+
+    @abstractmethod
+    async def store(self, key: str, subkey: str, value: bytes, expiration_time: float) -> bool:
+        """Publish `value` under (key, subkey) until `expiration_time` (DHT time, s).
+
+        Returns False when the network refused it (expired, or a record with a later
+        expiration already exists under that subkey); never raises on network faults.
+        """
+
+    @abstractmethod
+    async def get(self, key: str, latest: bool = True) -> dict[str, tuple[bytes, float]]:
+        """Records under `key`: `{subkey: (value, expiration_time)}`, empty if none/unreachable."""
+
+    @abstractmethod
+    def now(self) -> float:
+        """The DHT clock, seconds (wall time shared by all peers)."""

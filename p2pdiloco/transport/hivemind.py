@@ -1,0 +1,493 @@
+"""The hivemind transport: hivemind's DHT for records, its p2pd daemon's raw streams for RPC.
+
+We use only hivemind's public surface: `DHT(...)`, `DHT.store/get(return_future=True)`,
+`DHT.replicate_p2p()` and `P2P.add_binary_stream_handler/call_binary_stream_handler`
+(the same calls hivemind's own averager makes). RPC framing is ours (see docs/transport.md):
+
+    request   b"PDQ1" | u64 length | body in chunks of <= 1 MiB
+    response  b"PDS1" | u8 status  | u64 length | body in chunks of <= 1 MiB
+
+The receiver reads the 12-byte request header first and refuses a request over its
+limit without reading the body; the caller reads the response header first and refuses
+a response over its limit the same way. Every wait is bounded.
+
+hivemind and py-libp2p cannot share a process (duplicate protobuf symbols), so import this
+module only through `make_transport("hivemind")`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import errno
+import logging
+import os
+import signal
+import socket
+import struct
+from contextlib import suppress
+
+from hivemind.dht import DHT
+from hivemind.p2p import P2P, P2PDaemonError, PeerID
+from hivemind.proto import crypto_pb2
+from hivemind.utils import get_dht_time
+
+from p2pdiloco.transport.base import (
+    CHUNK_BYTES,
+    DEFAULT_MAX_BYTES,
+    AddressInUse,
+    CallTimeout,
+    Handler,
+    PeerUnreachable,
+    RemoteError,
+    RequestTooLarge,
+    ResponseTooLarge,
+    Transport,
+    TransportClosed,
+    TransportError,
+    TransportStartError,
+    check_size_limit,
+)
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_PREFIX = "/p2pdiloco/rpc/1/"
+_REQUEST_HEADER = struct.Struct(">4sQ")
+_RESPONSE_HEADER = struct.Struct(">4sBQ")
+_REQUEST_MAGIC = b"PDQ1"
+_RESPONSE_MAGIC = b"PDS1"
+_STATUS_OK, _STATUS_ERROR, _STATUS_TOO_LARGE = 0, 1, 2
+_MAX_ERROR_BYTES = 4096
+
+
+def write_ed25519_identity(path: str) -> None:
+    """Write a new libp2p Ed25519 private key (protobuf, as p2pd's `-id` reads it), mode 0600."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    key = Ed25519PrivateKey.generate()
+    raw = serialization.Encoding.Raw
+    private = key.private_bytes(raw, serialization.PrivateFormat.Raw, serialization.NoEncryption())
+    public = key.public_key().public_bytes(raw, serialization.PublicFormat.Raw)
+    # libp2p's Ed25519 private key encoding is seed || public key (64 bytes).
+    message = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.Ed25519, data=private + public)
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(message.SerializeToString())
+    os.replace(tmp, path)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Raise AddressInUse if something listens on host:port (port 0 is always free)."""
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise AddressInUse(
+                    f"cannot listen on {host}:{port}: address already in use; "
+                    "pick another port or pass port=0"
+                ) from None
+            raise TransportStartError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+def _child_pids(pid: int) -> list[int]:
+    """Direct children of `pid` (Linux /proc scan; empty elsewhere)."""
+    children = []
+    with suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            with suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                    children.append(int(entry))
+    return children
+
+
+def _pid_alive(pid: int) -> bool:
+    with suppress(OSError):
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    return False
+
+
+class HivemindTransport(Transport):
+    """A peer on a hivemind DHT swarm; RPC over p2pd raw streams.
+
+    `initial_peers`: multiaddrs to bootstrap from (empty: start a new swarm).
+    `host`/`port`: listen address (port 0: any free port). `client_mode`: do not accept
+    incoming connections (behind NAT). `identity_path`: persistent Ed25519 key file, created
+    if missing, so the peer id survives restarts. `announce_maddrs`: addresses to advertise.
+    `startup_timeout_s`: bound on daemon start + bootstrap, s. `dht_timeout_s`: bound on one
+    store/get, s. `idle_timeout_s`: a stream that moves no byte for this long is dropped, s.
+    """
+
+    def __init__(
+        self,
+        initial_peers: list[str],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        client_mode: bool = False,
+        identity_path: str | None = None,
+        announce_maddrs: list[str] | None = None,
+        startup_timeout_s: float = 60,
+        dht_timeout_s: float = 30,
+        idle_timeout_s: float = 60,
+        shutdown_timeout_s: float = 10,
+    ) -> None:
+        self.initial_peers = list(initial_peers)
+        self.host = host
+        self.port = port
+        self._client_mode = client_mode
+        self.identity_path = identity_path
+        self.announce_maddrs = list(announce_maddrs) if announce_maddrs else None
+        self.startup_timeout_s = startup_timeout_s
+        self.dht_timeout_s = dht_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self._dht: DHT | None = None
+        self._p2p: P2P | None = None
+        self._peer_id = ""
+        self._maddrs: list[str] = []
+        self._handlers: dict[str, tuple[Handler, int]] = {}
+        self._p2pd_pids: list[int] = []
+        self._ready = asyncio.Event()
+        self._closed = False
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    @property
+    def peer_id(self) -> str:
+        return self._peer_id
+
+    @property
+    def client_mode(self) -> bool:
+        return self._client_mode
+
+    def visible_maddrs(self) -> list[str]:
+        return list(self._maddrs)
+
+    async def start(self) -> None:
+        if self._closed:
+            raise TransportClosed("transport was shut down; create a new one")
+        if self._ready.is_set():
+            return
+        _check_port_free(self.host, self.port)
+        if self.identity_path is not None and not os.path.isfile(self.identity_path):
+            try:
+                write_ed25519_identity(self.identity_path)
+            except OSError as e:
+                raise TransportStartError(f"cannot write identity {self.identity_path}: {e}") from None
+            logger.info("identity_created path=%s", self.identity_path)
+        try:
+            await self._start_dht()
+        except BaseException:
+            await self.shutdown()
+            raise
+        self._ready.set()
+        logger.info(
+            "transport_started kind=hivemind peer_id=%s maddrs=%s client_mode=%s",
+            self._peer_id, ",".join(self._maddrs), self._client_mode,
+        )
+
+    async def _start_dht(self) -> None:
+        options: dict = dict(
+            host_maddrs=[f"/ip4/{self.host}/tcp/{self.port}"],
+            client_mode=self._client_mode,
+            startup_timeout=self.startup_timeout_s,
+            # hivemind's check spawns a second daemon and only parses RSA keys; ours are Ed25519.
+            check_if_identity_free=False,
+        )
+        if self.identity_path is not None:
+            options["identity_path"] = self.identity_path
+        if self.announce_maddrs:
+            options["announce_maddrs"] = self.announce_maddrs
+        self._dht = DHT(initial_peers=self.initial_peers, start=False, **options)
+        deadline_s = self.startup_timeout_s + 10
+        try:
+            # DHT start forks and blocks until the child is ready: keep it off the loop.
+            await asyncio.wait_for(
+                asyncio.to_thread(self._dht.run_in_background, True, self.startup_timeout_s),
+                deadline_s,
+            )
+            self._p2pd_pids = _child_pids(self._dht.pid) if self._dht.pid else []
+            atexit.register(self._reap_p2pd)
+            self._p2p = await asyncio.wait_for(self._dht.replicate_p2p(), self.startup_timeout_s)
+            self._peer_id = self._p2p.peer_id.to_base58()
+            maddrs = await asyncio.wait_for(self._p2p.get_visible_maddrs(), self.startup_timeout_s)
+            self._maddrs = [str(m) for m in maddrs]
+        except TimeoutError:
+            raise TransportStartError(
+                f"hivemind did not start within {self.startup_timeout_s}s "
+                "(slow machine? raise startup_timeout_s)"
+            ) from None
+        except (P2PDaemonError, RuntimeError, ValueError, OSError) as e:
+            raise self._start_error(e) from None
+
+    def _start_error(self, e: Exception) -> TransportStartError:
+        text = str(e)
+        if "address already in use" in text.lower():
+            return AddressInUse(f"cannot listen on {self.host}:{self.port}: address already in use")
+        if "bootstrap" in text.lower() or "initial_peers" in text:
+            return TransportStartError(
+                f"none of the initial peers answered ({', '.join(self.initial_peers)}): {text}"
+            )
+        return TransportStartError(f"hivemind failed to start: {type(e).__name__}: {text}")
+
+    async def wait_until_ready(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout_s)
+        except TimeoutError:
+            raise TransportStartError(f"transport not ready after {timeout_s}s") from None
+
+    async def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._ready.clear()
+        if self._p2p is not None:
+            with suppress(Exception):
+                await asyncio.wait_for(self._p2p.shutdown(), self.shutdown_timeout_s)
+        if self._dht is not None and self._dht.pid is not None:
+            with suppress(Exception):
+                await asyncio.wait_for(asyncio.to_thread(self._dht.shutdown), self.shutdown_timeout_s)
+            if self._dht.is_alive():
+                with suppress(OSError):
+                    os.kill(self._dht.pid, signal.SIGKILL)
+                await asyncio.to_thread(self._dht.join, self.shutdown_timeout_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.shutdown_timeout_s
+        while any(_pid_alive(p) for p in self._p2pd_pids) and loop.time() < deadline:
+            await asyncio.sleep(0.05)  # polling a deadline: p2pd exits after its DHT process
+        self._reap_p2pd()
+        with suppress(Exception):
+            atexit.unregister(self._reap_p2pd)
+        logger.info("transport_shutdown kind=hivemind peer_id=%s", self._peer_id)
+
+    def _reap_p2pd(self) -> None:
+        """SIGKILL our p2pd daemon(s) if still running (shutdown fallback and atexit)."""
+        for pid in self._p2pd_pids:
+            if _pid_alive(pid):
+                logger.warning("p2pd_killed pid=%d peer_id=%s", pid, self._peer_id)
+                with suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+
+    def _check_open(self) -> P2P:
+        if self._closed or self._p2p is None or not self._ready.is_set():
+            raise TransportClosed(f"transport {self._peer_id or '?'} is not running")
+        return self._p2p
+
+    # ---- RPC -------------------------------------------------------------------------
+
+    async def register_handler(
+        self, name: str, handler: Handler, max_request_bytes: int = DEFAULT_MAX_BYTES
+    ) -> None:
+        p2p = self._check_open()
+        check_size_limit("max_request_bytes", max_request_bytes)
+        if name in self._handlers:
+            raise ValueError(f"handler {name!r} is already registered")
+        self._handlers[name] = (handler, max_request_bytes)
+
+        async def serve(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await self._serve(name, info.peer_id.to_base58(), reader, writer)
+
+        await asyncio.wait_for(p2p.add_binary_stream_handler(PROTOCOL_PREFIX + name, serve), 30)
+
+    async def _serve(
+        self, name: str, caller: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        handler, max_request = self._handlers[name]
+        try:
+            header = await asyncio.wait_for(
+                reader.readexactly(_REQUEST_HEADER.size), self.idle_timeout_s
+            )
+            magic, length = _REQUEST_HEADER.unpack(header)
+            if magic != _REQUEST_MAGIC:
+                logger.warning("rpc_bad_frame name=%s caller=%s", name, caller)
+                return
+            if length > max_request:
+                logger.warning(
+                    "rpc_rejected reason=request_too_large name=%s caller=%s bytes=%d limit=%d",
+                    name, caller, length, max_request,
+                )
+                message = f"request of {length} bytes exceeds limit of {max_request} bytes"
+                await self._send(writer, _STATUS_TOO_LARGE, message.encode())
+                return
+            request = await self._read_body(reader, length)
+            try:
+                response = await handler(caller, request)
+                status = _STATUS_OK
+            except Exception as e:
+                logger.warning("handler_failed name=%s caller=%s error=%r", name, caller, e)
+                response, status = f"{type(e).__name__}: {e}".encode()[:_MAX_ERROR_BYTES], 1
+            await self._send(writer, status, response)
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
+            logger.info("rpc_dropped name=%s caller=%s reason=%s", name, caller, type(e).__name__)
+        except Exception:
+            logger.exception("rpc_serve_failed name=%s caller=%s", name, caller)
+        finally:
+            writer.close()
+
+    async def call(
+        self,
+        peer_id: str,
+        name: str,
+        request: bytes,
+        timeout_s: float,
+        max_response_bytes: int = DEFAULT_MAX_BYTES,
+    ) -> bytes:
+        p2p = self._check_open()
+        check_size_limit("max_response_bytes", max_response_bytes)
+        try:
+            async with asyncio.timeout(timeout_s):
+                if peer_id == self._peer_id:
+                    return await self._call_self(name, request, max_response_bytes)
+                return await self._call(p2p, peer_id, name, request, max_response_bytes)
+        except TimeoutError:
+            raise CallTimeout(f"call {name} to {peer_id} timed out after {timeout_s}s") from None
+
+    async def _call(
+        self, p2p: P2P, peer_id: str, name: str, request: bytes, max_response: int
+    ) -> bytes:
+        try:
+            remote = PeerID.from_base58(peer_id)
+        except Exception:
+            raise PeerUnreachable(f"invalid peer id {peer_id!r}") from None
+        try:
+            _, reader, writer = await p2p.call_binary_stream_handler(remote, PROTOCOL_PREFIX + name)
+        except (P2PDaemonError, ConnectionError, OSError, asyncio.IncompleteReadError) as e:
+            text = str(e)
+            if "protocol" in text.lower() and "not supported" in text.lower():
+                raise RemoteError(f"peer {peer_id} has no handler {name!r}") from None
+            raise PeerUnreachable(f"cannot open stream to {peer_id}: {text}") from None
+        # Read the response while still writing, so an early refusal stops the upload.
+        sending = asyncio.create_task(self._send_request(writer, request))
+        receiving = asyncio.create_task(self._receive_response(reader, peer_id, max_response))
+        try:
+            await asyncio.wait({sending, receiving}, return_when=asyncio.FIRST_COMPLETED)
+            if sending.done() and not receiving.done() and sending.exception() is not None:
+                # The remote hung up mid-upload; a refusal header may still be readable.
+                with suppress(TransportError, TimeoutError):
+                    return await asyncio.wait_for(receiving, 5)
+                raise PeerUnreachable(f"peer {peer_id} dropped the stream during the request")
+            return await receiving
+        finally:
+            for task in (sending, receiving):
+                task.cancel()
+            await asyncio.gather(sending, receiving, return_exceptions=True)
+            writer.close()
+
+    async def _send_request(self, writer: asyncio.StreamWriter, request: bytes) -> None:
+        writer.write(_REQUEST_HEADER.pack(_REQUEST_MAGIC, len(request)))
+        await self._write_body(writer, request)
+
+    async def _receive_response(
+        self, reader: asyncio.StreamReader, peer_id: str, max_response: int
+    ) -> bytes:
+        try:
+            header = await reader.readexactly(_RESPONSE_HEADER.size)
+            magic, status, length = _RESPONSE_HEADER.unpack(header)
+            if magic != _RESPONSE_MAGIC:
+                raise RemoteError(f"peer {peer_id} answered with a malformed frame")
+            if status != _STATUS_OK:
+                message = (await self._read_body(reader, min(length, _MAX_ERROR_BYTES))).decode(
+                    errors="replace"
+                )
+                kind = RequestTooLarge if status == _STATUS_TOO_LARGE else RemoteError
+                raise kind(f"peer {peer_id} refused the call: {message}")
+            if length > max_response:
+                raise ResponseTooLarge(
+                    f"response of {length} bytes from {peer_id} exceeds "
+                    f"max_response_bytes={max_response}"
+                )
+            return await self._read_body(reader, length)
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            raise PeerUnreachable(f"peer {peer_id} closed the stream: {type(e).__name__}") from None
+
+    async def _call_self(self, name: str, request: bytes, max_response: int) -> bytes:
+        if name not in self._handlers:
+            raise RemoteError(f"peer {self._peer_id} has no handler {name!r}")
+        handler, max_request = self._handlers[name]
+        if len(request) > max_request:
+            raise RequestTooLarge(f"request of {len(request)} bytes exceeds {max_request} bytes")
+        try:
+            response = await handler(self._peer_id, bytes(request))
+        except Exception as e:
+            raise RemoteError(f"handler {name} failed: {type(e).__name__}: {e}") from None
+        if len(response) > max_response:
+            raise ResponseTooLarge(f"response of {len(response)} bytes exceeds {max_response}")
+        return response
+
+    async def _send(self, writer: asyncio.StreamWriter, status: int, body: bytes) -> None:
+        writer.write(_RESPONSE_HEADER.pack(_RESPONSE_MAGIC, status, len(body)))
+        await self._write_body(writer, body)
+
+    async def _write_body(self, writer: asyncio.StreamWriter, body: bytes) -> None:
+        view = memoryview(body)
+        for offset in range(0, len(view), CHUNK_BYTES):
+            writer.write(view[offset : offset + CHUNK_BYTES])
+            await asyncio.wait_for(writer.drain(), self.idle_timeout_s)
+        await asyncio.wait_for(writer.drain(), self.idle_timeout_s)
+
+    async def _read_body(self, reader: asyncio.StreamReader, length: int) -> bytes:
+        buffer = bytearray()
+        while len(buffer) < length:
+            chunk = await asyncio.wait_for(
+                reader.read(min(CHUNK_BYTES, length - len(buffer))), self.idle_timeout_s
+            )
+            if not chunk:
+                raise asyncio.IncompleteReadError(bytes(buffer), length)
+            buffer += chunk
+        return bytes(buffer)
+
+    # ---- DHT -------------------------------------------------------------------------
+
+    async def store(self, key: str, subkey: str, value: bytes, expiration_time: float) -> bool:
+        self._check_open()
+        assert self._dht is not None
+        future = self._dht.store(
+            key, bytes(value), expiration_time, subkey=subkey, return_future=True
+        )
+        try:
+            return bool(await asyncio.wait_for(_await(future), self.dht_timeout_s))
+        except TimeoutError:
+            future.cancel()
+            logger.warning("dht_store_timeout key=%s subkey=%s", key, subkey)
+        except Exception as e:
+            logger.warning("dht_store_failed key=%s subkey=%s error=%r", key, subkey, e)
+        return False
+
+    async def get(self, key: str, latest: bool = True) -> dict[str, tuple[bytes, float]]:
+        self._check_open()
+        assert self._dht is not None
+        future = self._dht.get(key, latest=latest, return_future=True)
+        try:
+            found = await asyncio.wait_for(_await(future), self.dht_timeout_s)
+        except TimeoutError:
+            future.cancel()
+            logger.warning("dht_get_timeout key=%s", key)
+            return {}
+        except Exception as e:
+            logger.warning("dht_get_failed key=%s error=%r", key, e)
+            return {}
+        if found is None or not isinstance(found.value, dict):
+            return {}  # absent, or a plain (subkey-less) record some other program wrote
+        now = get_dht_time()
+        return {
+            str(subkey): (item.value, float(item.expiration_time))
+            for subkey, item in found.value.items()
+            if isinstance(item.value, bytes) and item.expiration_time > now
+        }
+
+    def now(self) -> float:
+        return get_dht_time()
+
+
+async def _await(future: object) -> object:
+    return await future  # type: ignore[misc]

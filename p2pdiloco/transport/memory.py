@@ -1,0 +1,205 @@
+"""An in-process fake of the transport, for logic tests only.
+
+`MemoryNetwork` is the "internet": it routes calls between `MemoryTransport`s by peer id
+and holds one shared DHT table with expiration on an injectable clock. Faults are
+explicit: `kill(peer_id)` makes a peer unreachable, `suspend(peer_id)` makes calls to it
+hang until the caller's deadline (like SIGSTOP). It keeps the real transport's semantics
+(size limits, deadlines, error types) but not its timing or chunking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+
+from p2pdiloco.transport.base import (
+    DEFAULT_MAX_BYTES,
+    CallTimeout,
+    Handler,
+    PeerUnreachable,
+    RemoteError,
+    RequestTooLarge,
+    ResponseTooLarge,
+    Transport,
+    TransportClosed,
+    TransportStartError,
+    check_size_limit,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class MemoryNetwork:
+    """Shared routing table, DHT and clock for a set of `MemoryTransport`s."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self._peers: dict[str, MemoryTransport] = {}
+        self._suspended: set[str] = set()
+        self._dht: dict[str, dict[str, tuple[bytes, float]]] = {}
+        self._ids = itertools.count(1)
+
+    def new_peer_id(self) -> str:
+        """A fresh, unique peer id."""
+        return f"mem-{next(self._ids)}"
+
+    def kill(self, peer_id: str) -> None:
+        """Take a peer off the network at once (like SIGKILL): calls to it fail."""
+        self._peers.pop(peer_id, None)
+        self._suspended.discard(peer_id)
+
+    def suspend(self, peer_id: str) -> None:
+        """Freeze a peer (like SIGSTOP): calls to it hang until the caller's deadline."""
+        self._suspended.add(peer_id)
+
+    def resume(self, peer_id: str) -> None:
+        """Undo `suspend`."""
+        self._suspended.discard(peer_id)
+
+    def is_suspended(self, peer_id: str) -> bool:
+        return peer_id in self._suspended
+
+    def _attach(self, transport: MemoryTransport) -> None:
+        if transport.peer_id in self._peers:
+            raise TransportStartError(f"peer id {transport.peer_id} is already on this network")
+        self._peers[transport.peer_id] = transport
+
+    def _detach(self, transport: MemoryTransport) -> None:
+        if self._peers.get(transport.peer_id) is transport:
+            del self._peers[transport.peer_id]
+
+    def _route(self, peer_id: str) -> MemoryTransport | None:
+        return self._peers.get(peer_id)
+
+    def _store(self, key: str, subkey: str, value: bytes, expiration_time: float) -> bool:
+        # hivemind semantics: a record is replaced only by one that expires later.
+        if expiration_time <= self.clock():
+            return False
+        records = self._dht.setdefault(key, {})
+        old = records.get(subkey)
+        if old is not None and old[1] >= expiration_time:
+            return False
+        records[subkey] = (bytes(value), float(expiration_time))
+        return True
+
+    def _get(self, key: str) -> dict[str, tuple[bytes, float]]:
+        now = self.clock()
+        records = self._dht.get(key, {})
+        for subkey in [s for s, (_, exp) in records.items() if exp <= now]:
+            del records[subkey]
+        return dict(records)
+
+
+class MemoryTransport(Transport):
+    """A peer on a `MemoryNetwork`; same interface and error types as the real ones."""
+
+    def __init__(
+        self, network: MemoryNetwork, peer_id: str | None = None, client_mode: bool = False
+    ) -> None:
+        self.network = network
+        self._peer_id = peer_id or network.new_peer_id()
+        self._client_mode = client_mode
+        self._handlers: dict[str, tuple[Handler, int]] = {}
+        self._started = asyncio.Event()
+        self._closed = False
+
+    @property
+    def peer_id(self) -> str:
+        return self._peer_id
+
+    @property
+    def client_mode(self) -> bool:
+        return self._client_mode
+
+    def visible_maddrs(self) -> list[str]:
+        return [] if self._client_mode else [f"/memory/{self._peer_id}/p2p/{self._peer_id}"]
+
+    async def start(self) -> None:
+        if self._closed:
+            raise TransportClosed("transport was shut down; create a new one")
+        if not self._started.is_set():
+            self.network._attach(self)
+            self._started.set()
+            logger.info("transport_started kind=memory peer_id=%s", self._peer_id)
+
+    async def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.network._detach(self)
+            logger.info("transport_shutdown kind=memory peer_id=%s", self._peer_id)
+
+    async def wait_until_ready(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self._started.wait(), timeout_s)
+        except TimeoutError:
+            raise TransportStartError(f"memory transport not started after {timeout_s}s") from None
+
+    def _check_open(self) -> None:
+        if self._closed or not self._started.is_set():
+            raise TransportClosed(f"transport {self._peer_id} is not running")
+
+    async def register_handler(
+        self, name: str, handler: Handler, max_request_bytes: int = DEFAULT_MAX_BYTES
+    ) -> None:
+        check_size_limit("max_request_bytes", max_request_bytes)
+        if name in self._handlers:
+            raise ValueError(f"handler {name!r} is already registered")
+        self._handlers[name] = (handler, max_request_bytes)
+
+    async def call(
+        self,
+        peer_id: str,
+        name: str,
+        request: bytes,
+        timeout_s: float,
+        max_response_bytes: int = DEFAULT_MAX_BYTES,
+    ) -> bytes:
+        self._check_open()
+        check_size_limit("max_response_bytes", max_response_bytes)
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await self._call(peer_id, name, bytes(request), max_response_bytes)
+        except TimeoutError:
+            raise CallTimeout(f"call {name} to {peer_id} timed out after {timeout_s}s") from None
+
+    async def _call(self, peer_id: str, name: str, request: bytes, max_response: int) -> bytes:
+        remote = self.network._route(peer_id)
+        if remote is None or (self._client_mode and remote._client_mode):
+            raise PeerUnreachable(f"peer {peer_id} is unreachable")
+        while self.network.is_suspended(peer_id):  # frozen: the deadline fires
+            await asyncio.sleep(0.01)
+        if name not in remote._handlers:
+            raise RemoteError(f"peer {peer_id} has no handler {name!r}")
+        handler, max_request = remote._handlers[name]
+        if len(request) > max_request:
+            raise RequestTooLarge(
+                f"request of {len(request)} bytes exceeds {peer_id}'s limit of {max_request} bytes"
+            )
+        try:
+            response = await handler(self._peer_id, request)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            logger.warning("handler_failed name=%s caller=%s error=%r", name, self._peer_id, e)
+            raise RemoteError(f"handler {name} on {peer_id} failed: {type(e).__name__}: {e}") from None
+        if self.network._route(peer_id) is not remote:
+            raise PeerUnreachable(f"peer {peer_id} went away during the call")
+        if len(response) > max_response:
+            raise ResponseTooLarge(
+                f"response of {len(response)} bytes exceeds max_response_bytes={max_response}"
+            )
+        return bytes(response)
+
+    async def store(self, key: str, subkey: str, value: bytes, expiration_time: float) -> bool:
+        self._check_open()
+        return self.network._store(key, subkey, value, expiration_time)
+
+    async def get(self, key: str, latest: bool = True) -> dict[str, tuple[bytes, float]]:
+        self._check_open()
+        return self.network._get(key)
+
+    def now(self) -> float:
+        return self.network.clock()
