@@ -41,8 +41,16 @@ class ModelConfig:
     """Tokens (bytes) per training sequence."""
 
     def __post_init__(self) -> None:
-        _check(self.preset in MODEL_PRESETS, "model.preset", f"must be one of {MODEL_PRESETS}, got {self.preset!r}")
-        _check(8 <= self.seq_len <= 65536, "model.seq_len", f"must be in [8, 65536], got {self.seq_len}")
+        _check(
+            self.preset in MODEL_PRESETS,
+            "model.preset",
+            f"must be one of {MODEL_PRESETS}, got {self.preset!r}",
+        )
+        _check(
+            8 <= self.seq_len <= 65536,
+            "model.seq_len",
+            f"must be in [8, 65536], got {self.seq_len}",
+        )
 
 
 @dataclass(frozen=True)
@@ -62,7 +70,11 @@ class DataConfig:
     def __post_init__(self) -> None:
         _check(bool(self.source), "data.source", "must not be empty")
         _check(bool(self.text_field), "data.text_field", "must not be empty")
-        _check(0.0 < self.heldout_fraction < 1.0, "data.heldout_fraction", f"must be in (0, 1), got {self.heldout_fraction}")
+        _check(
+            0.0 < self.heldout_fraction < 1.0,
+            "data.heldout_fraction",
+            f"must be in (0, 1), got {self.heldout_fraction}",
+        )
         _check(self.max_files >= 0, "data.max_files", f"must be >= 0, got {self.max_files}")
 
 
@@ -96,16 +108,26 @@ class TrainConfig:
     """Seed for model init (shared by all peers) and, mixed with the peer's rank, data order."""
 
     def __post_init__(self) -> None:
-        _check(self.device in DEVICES, "train.device", f"must be one of {DEVICES}, got {self.device!r}")
+        _check(
+            self.device in DEVICES, "train.device", f"must be one of {DEVICES}, got {self.device!r}"
+        )
         _check(self.batch_size >= 1, "train.batch_size", f"must be >= 1, got {self.batch_size}")
         _check(self.grad_accum >= 1, "train.grad_accum", f"must be >= 1, got {self.grad_accum}")
         _check(0.0 < self.lr < 1.0, "train.lr", f"must be in (0, 1), got {self.lr}")
-        _check(self.weight_decay >= 0.0, "train.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        _check(
+            self.weight_decay >= 0.0, "train.weight_decay", f"must be >= 0, got {self.weight_decay}"
+        )
         _check(0.0 <= self.beta1 < 1.0, "train.beta1", f"must be in [0, 1), got {self.beta1}")
         _check(0.0 <= self.beta2 < 1.0, "train.beta2", f"must be in [0, 1), got {self.beta2}")
-        _check(self.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _check(
+            self.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {self.warmup_steps}"
+        )
         _check(self.total_steps >= 1, "train.total_steps", f"must be >= 1, got {self.total_steps}")
-        _check(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        _check(
+            0.0 <= self.min_lr_ratio <= 1.0,
+            "train.min_lr_ratio",
+            f"must be in [0, 1], got {self.min_lr_ratio}",
+        )
         _check(self.grad_clip >= 0.0, "train.grad_clip", f"must be >= 0, got {self.grad_clip}")
 
 
@@ -130,11 +152,29 @@ class OuterConfig:
 
     def __post_init__(self) -> None:
         _check(0.0 < self.lr <= 10.0, "outer.lr", f"must be in (0, 10], got {self.lr}")
-        _check(0.0 <= self.momentum < 1.0, "outer.momentum", f"must be in [0, 1), got {self.momentum}")
-        _check(self.merge in MERGE_RULES, "outer.merge", f"must be one of {MERGE_RULES}, got {self.merge!r}")
-        _check(0.0 < self.max_weight_share <= 1.0, "outer.max_weight_share", f"must be in (0, 1], got {self.max_weight_share}")
-        _check(self.radial_norm in RADIAL_NORMS, "outer.radial_norm", f"must be one of {RADIAL_NORMS}, got {self.radial_norm!r}")
-        _check(self.delayed_nesterov_every >= 1, "outer.delayed_nesterov_every", f"must be >= 1, got {self.delayed_nesterov_every}")
+        _check(
+            0.0 <= self.momentum < 1.0, "outer.momentum", f"must be in [0, 1), got {self.momentum}"
+        )
+        _check(
+            self.merge in MERGE_RULES,
+            "outer.merge",
+            f"must be one of {MERGE_RULES}, got {self.merge!r}",
+        )
+        _check(
+            0.0 < self.max_weight_share <= 1.0,
+            "outer.max_weight_share",
+            f"must be in (0, 1], got {self.max_weight_share}",
+        )
+        _check(
+            self.radial_norm in RADIAL_NORMS,
+            "outer.radial_norm",
+            f"must be one of {RADIAL_NORMS}, got {self.radial_norm!r}",
+        )
+        _check(
+            self.delayed_nesterov_every >= 1,
+            "outer.delayed_nesterov_every",
+            f"must be >= 1, got {self.delayed_nesterov_every}",
+        )
 
 
 @dataclass(frozen=True)
@@ -170,18 +210,56 @@ class SyncConfig:
 
     def __post_init__(self) -> None:
         _check(self.inner_steps >= 1, "sync.inner_steps", f"must be >= 1, got {self.inner_steps}")
-        _check(1 <= self.num_fragments <= self.inner_steps, "sync.num_fragments", f"must be in [1, sync.inner_steps={self.inner_steps}], got {self.num_fragments}")
+        _check(
+            1 <= self.num_fragments <= self.inner_steps,
+            "sync.num_fragments",
+            f"must be in [1, sync.inner_steps={self.inner_steps}], got {self.num_fragments}",
+        )
         _check(self.min_quorum >= 1, "sync.min_quorum", f"must be >= 1, got {self.min_quorum}")
-        _check(0.0 <= self.min_token_fraction <= 1.0, "sync.min_token_fraction", f"must be in [0, 1], got {self.min_token_fraction}")
-        _check(self.overlap_steps >= 0, "sync.overlap_steps", f"must be >= 0, got {self.overlap_steps}")
-        _check(0.0 <= self.grace_gamma < 1.0, "sync.grace_gamma", f"must be in [0, 1), got {self.grace_gamma}")
+        _check(
+            0.0 <= self.min_token_fraction <= 1.0,
+            "sync.min_token_fraction",
+            f"must be in [0, 1], got {self.min_token_fraction}",
+        )
+        _check(
+            self.overlap_steps >= 0, "sync.overlap_steps", f"must be >= 0, got {self.overlap_steps}"
+        )
+        _check(
+            0.0 <= self.grace_gamma < 1.0,
+            "sync.grace_gamma",
+            f"must be in [0, 1), got {self.grace_gamma}",
+        )
         _check(self.max_grace_s >= 0.0, "sync.max_grace_s", f"must be >= 0, got {self.max_grace_s}")
-        _check(self.round_deadline_s > 0.0, "sync.round_deadline_s", f"must be > 0, got {self.round_deadline_s}")
-        _check(self.max_staleness_rounds >= 0, "sync.max_staleness_rounds", f"must be >= 0, got {self.max_staleness_rounds}")
-        _check(0.0 < self.staleness_discount <= 1.0, "sync.staleness_discount", f"must be in (0, 1], got {self.staleness_discount}")
-        _check(self.norm_outlier_factor > 1.0, "sync.norm_outlier_factor", f"must be > 1, got {self.norm_outlier_factor}")
-        _check(self.on_receive in ON_RECEIVE, "sync.on_receive", f"must be one of {ON_RECEIVE}, got {self.on_receive!r}")
-        _check(0.0 <= self.mix_alpha <= 1.0, "sync.mix_alpha", f"must be in [0, 1], got {self.mix_alpha}")
+        _check(
+            self.round_deadline_s > 0.0,
+            "sync.round_deadline_s",
+            f"must be > 0, got {self.round_deadline_s}",
+        )
+        _check(
+            self.max_staleness_rounds >= 0,
+            "sync.max_staleness_rounds",
+            f"must be >= 0, got {self.max_staleness_rounds}",
+        )
+        _check(
+            0.0 < self.staleness_discount <= 1.0,
+            "sync.staleness_discount",
+            f"must be in (0, 1], got {self.staleness_discount}",
+        )
+        _check(
+            self.norm_outlier_factor > 1.0,
+            "sync.norm_outlier_factor",
+            f"must be > 1, got {self.norm_outlier_factor}",
+        )
+        _check(
+            self.on_receive in ON_RECEIVE,
+            "sync.on_receive",
+            f"must be one of {ON_RECEIVE}, got {self.on_receive!r}",
+        )
+        _check(
+            0.0 <= self.mix_alpha <= 1.0,
+            "sync.mix_alpha",
+            f"must be in [0, 1], got {self.mix_alpha}",
+        )
 
 
 @dataclass(frozen=True)
@@ -202,10 +280,24 @@ class CompressConfig:
     """Add a lossless zstd stage on top of the codec."""
 
     def __post_init__(self) -> None:
-        _check(self.codec in CODECS, "compress.codec", f"must be one of {CODECS}, got {self.codec!r}")
-        _check(self.outer_codec in CODECS, "compress.outer_codec", f"must be one of {CODECS}, got {self.outer_codec!r}")
-        _check(2 <= self.block_size <= 1 << 20 and self.block_size % 2 == 0, "compress.block_size", f"must be even and in [2, 1048576], got {self.block_size}")
-        _check(0.0 < self.topk_fraction <= 1.0, "compress.topk_fraction", f"must be in (0, 1], got {self.topk_fraction}")
+        _check(
+            self.codec in CODECS, "compress.codec", f"must be one of {CODECS}, got {self.codec!r}"
+        )
+        _check(
+            self.outer_codec in CODECS,
+            "compress.outer_codec",
+            f"must be one of {CODECS}, got {self.outer_codec!r}",
+        )
+        _check(
+            2 <= self.block_size <= 1 << 20 and self.block_size % 2 == 0,
+            "compress.block_size",
+            f"must be even and in [2, 1048576], got {self.block_size}",
+        )
+        _check(
+            0.0 < self.topk_fraction <= 1.0,
+            "compress.topk_fraction",
+            f"must be in (0, 1], got {self.topk_fraction}",
+        )
 
 
 @dataclass(frozen=True)
@@ -224,10 +316,22 @@ class SimulateConfig:
     """Also run synchronous data parallel on the same tokens and compute."""
 
     def __post_init__(self) -> None:
-        _check(1 <= self.learners <= 256, "simulate.learners", f"must be in [1, 256], got {self.learners}")
+        _check(
+            1 <= self.learners <= 256,
+            "simulate.learners",
+            f"must be in [1, 256], got {self.learners}",
+        )
         _check(self.rounds >= 1, "simulate.rounds", f"must be >= 1, got {self.rounds}")
-        _check(self.eval_batches >= 1, "simulate.eval_batches", f"must be >= 1, got {self.eval_batches}")
-        _check(self.eval_every_rounds >= 1, "simulate.eval_every_rounds", f"must be >= 1, got {self.eval_every_rounds}")
+        _check(
+            self.eval_batches >= 1,
+            "simulate.eval_batches",
+            f"must be >= 1, got {self.eval_batches}",
+        )
+        _check(
+            self.eval_every_rounds >= 1,
+            "simulate.eval_every_rounds",
+            f"must be >= 1, got {self.eval_every_rounds}",
+        )
 
 
 @dataclass(frozen=True)
@@ -312,7 +416,9 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         key, sep, text = item.partition("=")
         section, dot, name = key.strip().partition(".")
         if not sep or not dot or not section or not name:
-            raise ConfigError(f"override {item!r} must look like section.key=value, e.g. sync.min_quorum=2")
+            raise ConfigError(
+                f"override {item!r} must look like section.key=value, e.g. sync.min_quorum=2"
+            )
         merged.setdefault(section, {})
         if not isinstance(merged[section], dict):
             raise ConfigError(f"[{section}] must be a table")

@@ -1,0 +1,33 @@
+"""Shared fixtures: small configs and a tiny corpus so the pure tests stay fast."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2pdiloco.config import RunConfig, load_config
+from p2pdiloco.data import Corpus
+
+
+@pytest.fixture(scope="session")
+def tiny_config() -> RunConfig:
+    """A tiny model on a slice of the standard library: seconds, not minutes."""
+    return load_config(
+        None,
+        [
+            "model.preset='tiny'",
+            "model.seq_len=64",
+            "data.max_files=120",
+            "train.batch_size=4",
+            "train.device='cpu'",
+            "train.warmup_steps=5",
+            "sync.inner_steps=10",
+            "simulate.rounds=3",
+            "simulate.learners=2",
+            "simulate.eval_batches=2",
+        ],
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tiny_config: RunConfig) -> Corpus:
+    return Corpus.from_config(tiny_config.data)

@@ -1,0 +1,82 @@
+"""Config: defaults, TOML loading, overrides and the errors a user sees."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+from p2pdiloco.config import (
+    DEFAULT_TOML,
+    RunConfig,
+    config_from_dict,
+    config_to_dict,
+    load_config,
+    render_toml,
+)
+from p2pdiloco.errors import ConfigError
+
+
+def test_shipped_default_toml_equals_dataclass_defaults() -> None:
+    assert load_config(DEFAULT_TOML) == RunConfig()
+
+
+def test_render_toml_round_trips() -> None:
+    config = load_config(None, ["sync.inner_steps=77", "data.source='/tmp/x y\"z'"])
+    assert config_from_dict(tomllib.loads(render_toml(config))) == config
+
+
+def test_overrides_parse_toml_values_and_bare_strings() -> None:
+    config = load_config(
+        None, ["outer.lr=0.5", "compress.zstd=true", "model.preset=tiny", "sync.max_grace_s=3"]
+    )
+    assert config.outer.lr == 0.5
+    assert config.compress.zstd is True
+    assert config.model.preset == "tiny"
+    assert config.sync.max_grace_s == 3.0 and isinstance(config.sync.max_grace_s, float)
+
+
+def test_file_then_overrides(tmp_path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text("[sync]\ninner_steps = 30\nmin_quorum = 2\n")
+    config = load_config(path, ["sync.min_quorum=3"])
+    assert (config.sync.inner_steps, config.sync.min_quorum) == (30, 3)
+    assert config.outer == RunConfig().outer
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("sync.min_quorum=0", "sync.min_quorum must be >= 1, got 0"),
+        ("outer.merge='median'", "outer.merge must be one of"),
+        ("sync.bogus=1", "unknown key sync.bogus"),
+        ("bogus.key=1", "unknown config section [bogus]"),
+        ("train.batch_size=2.5", "train.batch_size must be an integer"),
+        ("compress.zstd=1", "compress.zstd must be a boolean"),
+        ("model.preset=3", "model.preset must be a string"),
+        ("sync.num_fragments=99", "sync.num_fragments must be in [1, sync.inner_steps=50]"),
+        ("nodot=1", "must look like section.key=value"),
+        ("sync.min_quorum", "must look like section.key=value"),
+    ],
+)
+def test_bad_values_name_the_field(override: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_and_invalid_files(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[sync\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_configs_are_frozen() -> None:
+    config = RunConfig()
+    with pytest.raises(AttributeError):
+        config.sync.min_quorum = 5  # type: ignore[misc]
+    assert config_to_dict(config)["sync"]["min_quorum"] == 1
