@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import errno
+import itertools
 import logging
 import os
 import signal
@@ -44,7 +45,6 @@ from p2pdiloco.transport.base import (
     ResponseTooLarge,
     Transport,
     TransportClosed,
-    TransportError,
     TransportStartError,
     check_size_limit,
 )
@@ -58,6 +58,7 @@ _REQUEST_MAGIC = b"PDQ1"
 _RESPONSE_MAGIC = b"PDS1"
 _STATUS_OK, _STATUS_ERROR, _STATUS_TOO_LARGE = 0, 1, 2
 _MAX_ERROR_BYTES = 4096
+_CONTINUE = b"\x01"
 
 
 def write_ed25519_identity(path: str) -> None:
@@ -159,6 +160,8 @@ class HivemindTransport(Transport):
         self._p2pd_pids: list[int] = []
         self._ready = asyncio.Event()
         self._closed = False
+        self._bootstrap_failed = False
+        atexit.register(self._reap_p2pd)
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -197,10 +200,48 @@ class HivemindTransport(Transport):
         )
 
     async def _start_dht(self) -> None:
+        """Start hivemind's DHT; retry a failed bootstrap until `startup_timeout_s` is spent.
+
+        Peers launched at the same instant may dial an initial peer before it listens;
+        hivemind then fails the bootstrap. Retrying (instead of starting alone) is what
+        keeps such peers in one swarm rather than several halves.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.startup_timeout_s
+        await self._wait_for_initial_peers(deadline)
+        for attempt in itertools.count(1):
+            try:
+                await self._start_dht_once(max(1.0, deadline - loop.time()))
+                return
+            except TransportStartError as e:
+                if not self._bootstrap_failed or loop.time() + 3 > deadline:
+                    raise
+                logger.info("bootstrap_retry attempt=%d error=%s", attempt, e)
+                await self._stop_dht()
+                await asyncio.sleep(1.0)  # back-off between attempts, not synchronisation
+
+    async def _wait_for_initial_peers(self, deadline: float) -> None:
+        """Return once one initial peer accepts TCP (or at the deadline: bootstrap reports)."""
+        endpoints = []
+        for maddr in self.initial_peers:
+            parts = maddr.split("/")
+            if len(parts) > 4 and parts[1] in ("ip4", "ip6", "dns", "dns4") and parts[3] == "tcp":
+                endpoints.append((parts[2], int(parts[4])))
+        loop = asyncio.get_running_loop()
+        while endpoints and loop.time() < deadline:
+            for host, port in endpoints:
+                with suppress(OSError, TimeoutError):
+                    _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 2)
+                    writer.close()
+                    return
+            await asyncio.sleep(0.5)  # polling with a deadline
+
+    async def _start_dht_once(self, timeout_s: float) -> None:
+        self._bootstrap_failed = False
         options: dict = dict(
             host_maddrs=[f"/ip4/{self.host}/tcp/{self.port}"],
             client_mode=self._client_mode,
-            startup_timeout=self.startup_timeout_s,
+            startup_timeout=timeout_s,
             # hivemind's check spawns a second daemon and only parses RSA keys; ours are Ed25519.
             check_if_identity_free=False,
         )
@@ -209,18 +250,17 @@ class HivemindTransport(Transport):
         if self.announce_maddrs:
             options["announce_maddrs"] = self.announce_maddrs
         self._dht = DHT(initial_peers=self.initial_peers, start=False, **options)
-        deadline_s = self.startup_timeout_s + 10
+        deadline_s = timeout_s + 10
         try:
             # DHT start forks and blocks until the child is ready: keep it off the loop.
             await asyncio.wait_for(
-                asyncio.to_thread(self._dht.run_in_background, True, self.startup_timeout_s),
+                asyncio.to_thread(self._dht.run_in_background, True, timeout_s),
                 deadline_s,
             )
-            self._p2pd_pids = _child_pids(self._dht.pid) if self._dht.pid else []
-            atexit.register(self._reap_p2pd)
-            self._p2p = await asyncio.wait_for(self._dht.replicate_p2p(), self.startup_timeout_s)
+            self._p2pd_pids += _child_pids(self._dht.pid) if self._dht.pid else []
+            self._p2p = await asyncio.wait_for(self._dht.replicate_p2p(), timeout_s)
             self._peer_id = self._p2p.peer_id.to_base58()
-            maddrs = await asyncio.wait_for(self._p2p.get_visible_maddrs(), self.startup_timeout_s)
+            maddrs = await asyncio.wait_for(self._p2p.get_visible_maddrs(), timeout_s)
             self._maddrs = [str(m) for m in maddrs]
         except TimeoutError:
             raise TransportStartError(
@@ -228,6 +268,9 @@ class HivemindTransport(Transport):
                 "(slow machine? raise startup_timeout_s)"
             ) from None
         except (P2PDaemonError, RuntimeError, ValueError, OSError) as e:
+            self._bootstrap_failed = "bootstrap failed" in str(e)
+            if self._dht.pid is not None:
+                self._p2pd_pids += _child_pids(self._dht.pid)
             raise self._start_error(e) from None
 
     def _start_error(self, e: Exception) -> TransportStartError:
@@ -251,16 +294,7 @@ class HivemindTransport(Transport):
             return
         self._closed = True
         self._ready.clear()
-        if self._p2p is not None:
-            with suppress(Exception):
-                await asyncio.wait_for(self._p2p.shutdown(), self.shutdown_timeout_s)
-        if self._dht is not None and self._dht.pid is not None:
-            with suppress(Exception):
-                await asyncio.wait_for(asyncio.to_thread(self._dht.shutdown), self.shutdown_timeout_s)
-            if self._dht.is_alive():
-                with suppress(OSError):
-                    os.kill(self._dht.pid, signal.SIGKILL)
-                await asyncio.to_thread(self._dht.join, self.shutdown_timeout_s)
+        await self._stop_dht()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.shutdown_timeout_s
         while any(_pid_alive(p) for p in self._p2pd_pids) and loop.time() < deadline:
@@ -269,6 +303,21 @@ class HivemindTransport(Transport):
         with suppress(Exception):
             atexit.unregister(self._reap_p2pd)
         logger.info("transport_shutdown kind=hivemind peer_id=%s", self._peer_id)
+
+    async def _stop_dht(self) -> None:
+        """Stop the P2P replica and the DHT process (SIGKILL it if it does not exit)."""
+        p2p, dht, self._p2p, self._dht = self._p2p, self._dht, None, None
+        if p2p is not None:
+            with suppress(Exception):
+                await asyncio.wait_for(p2p.shutdown(), self.shutdown_timeout_s)
+        if dht is not None and dht.pid is not None:
+            self._p2pd_pids += [p for p in _child_pids(dht.pid) if p not in self._p2pd_pids]
+            with suppress(Exception):
+                await asyncio.wait_for(asyncio.to_thread(dht.shutdown), self.shutdown_timeout_s)
+            if dht.is_alive():
+                with suppress(OSError):
+                    os.kill(dht.pid, signal.SIGKILL)
+                await asyncio.to_thread(dht.join, self.shutdown_timeout_s)
 
     def _reap_p2pd(self) -> None:
         """SIGKILL our p2pd daemon(s) if still running (shutdown fallback and atexit)."""
@@ -318,7 +367,13 @@ class HivemindTransport(Transport):
                 )
                 message = f"request of {length} bytes exceeds limit of {max_request} bytes"
                 await self._send(writer, _STATUS_TOO_LARGE, message.encode())
+                if length <= CHUNK_BYTES:  # sent unasked: drain it (bounded) so the refusal lands
+                    with suppress(Exception):
+                        await asyncio.wait_for(self._discard(reader, length), 5)
                 return
+            if length > CHUNK_BYTES:
+                writer.write(_CONTINUE)
+                await asyncio.wait_for(writer.drain(), self.idle_timeout_s)
             request = await self._read_body(reader, length)
             try:
                 response = await handler(caller, request)
@@ -366,49 +421,39 @@ class HivemindTransport(Transport):
             if "protocol" in text.lower() and "not supported" in text.lower():
                 raise RemoteError(f"peer {peer_id} has no handler {name!r}") from None
             raise PeerUnreachable(f"cannot open stream to {peer_id}: {text}") from None
-        # Read the response while still writing, so an early refusal stops the upload.
-        sending = asyncio.create_task(self._send_request(writer, request))
-        receiving = asyncio.create_task(self._receive_response(reader, peer_id, max_response))
         try:
-            await asyncio.wait({sending, receiving}, return_when=asyncio.FIRST_COMPLETED)
-            if sending.done() and not receiving.done() and sending.exception() is not None:
-                # The remote hung up mid-upload; a refusal header may still be readable.
-                with suppress(TransportError, TimeoutError):
-                    return await asyncio.wait_for(receiving, 5)
-                raise PeerUnreachable(f"peer {peer_id} dropped the stream during the request")
-            return await receiving
-        finally:
-            for task in (sending, receiving):
-                task.cancel()
-            await asyncio.gather(sending, receiving, return_exceptions=True)
-            writer.close()
-
-    async def _send_request(self, writer: asyncio.StreamWriter, request: bytes) -> None:
-        writer.write(_REQUEST_HEADER.pack(_REQUEST_MAGIC, len(request)))
-        await self._write_body(writer, request)
-
-    async def _receive_response(
-        self, reader: asyncio.StreamReader, peer_id: str, max_response: int
-    ) -> bytes:
-        try:
-            header = await reader.readexactly(_RESPONSE_HEADER.size)
-            magic, status, length = _RESPONSE_HEADER.unpack(header)
-            if magic != _RESPONSE_MAGIC:
-                raise RemoteError(f"peer {peer_id} answered with a malformed frame")
-            if status != _STATUS_OK:
-                message = (await self._read_body(reader, min(length, _MAX_ERROR_BYTES))).decode(
-                    errors="replace"
-                )
-                kind = RequestTooLarge if status == _STATUS_TOO_LARGE else RemoteError
-                raise kind(f"peer {peer_id} refused the call: {message}")
-            if length > max_response:
-                raise ResponseTooLarge(
-                    f"response of {length} bytes from {peer_id} exceeds "
-                    f"max_response_bytes={max_response}"
-                )
-            return await self._read_body(reader, length)
+            writer.write(_REQUEST_HEADER.pack(_REQUEST_MAGIC, len(request)))
+            if len(request) > CHUNK_BYTES:
+                # Like HTTP's "Expect: 100-continue": a large body waits for the receiver to
+                # accept its size, so a refused upload costs one round trip, not the payload.
+                await asyncio.wait_for(writer.drain(), self.idle_timeout_s)
+                first = await asyncio.wait_for(reader.readexactly(1), self.idle_timeout_s)
+                if first != _CONTINUE:
+                    return await self._receive_response(reader, peer_id, max_response, first)
+            await self._write_body(writer, request)
+            return await self._receive_response(reader, peer_id, max_response)
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             raise PeerUnreachable(f"peer {peer_id} closed the stream: {type(e).__name__}") from None
+        finally:
+            writer.close()
+
+    async def _receive_response(
+        self, reader: asyncio.StreamReader, peer_id: str, max_response: int, head: bytes = b""
+    ) -> bytes:
+        # No idle bound here: the handler may compute for a while; the call's deadline rules.
+        header = head + await reader.readexactly(_RESPONSE_HEADER.size - len(head))
+        magic, status, length = _RESPONSE_HEADER.unpack(header)
+        if magic != _RESPONSE_MAGIC:
+            raise RemoteError(f"peer {peer_id} answered with a malformed frame")
+        if status != _STATUS_OK:
+            body = await self._read_body(reader, min(length, _MAX_ERROR_BYTES))
+            kind = RequestTooLarge if status == _STATUS_TOO_LARGE else RemoteError
+            raise kind(f"peer {peer_id} refused the call: {body.decode(errors='replace')}")
+        if length > max_response:
+            raise ResponseTooLarge(
+                f"response of {length} bytes from {peer_id} exceeds max_response_bytes={max_response}"
+            )
+        return await self._read_body(reader, length)
 
     async def _call_self(self, name: str, request: bytes, max_response: int) -> bytes:
         if name not in self._handlers:
@@ -434,6 +479,10 @@ class HivemindTransport(Transport):
             writer.write(view[offset : offset + CHUNK_BYTES])
             await asyncio.wait_for(writer.drain(), self.idle_timeout_s)
         await asyncio.wait_for(writer.drain(), self.idle_timeout_s)
+
+    async def _discard(self, reader: asyncio.StreamReader, length: int) -> None:
+        while length > 0 and (chunk := await reader.read(min(CHUNK_BYTES, length))):
+            length -= len(chunk)
 
     async def _read_body(self, reader: asyncio.StreamReader, length: int) -> bytes:
         buffer = bytearray()

@@ -1,0 +1,154 @@
+"""The hivemind transport between real OS processes on 127.0.0.1.
+
+hivemind is imported only in the children (tests/net/transport_peer.py): the pytest process
+stays free to import py-libp2p for other tests.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from .harness import (
+    TRANSPORT_PEER,
+    PeerFailedToStart,
+    PeerProcess,
+    free_port,
+    pid_alive,
+    start_peer_process,
+    start_peer_processes,
+    write_identity,
+)
+
+pytestmark = pytest.mark.timeout(240)
+
+READY_S = 120
+MB = 1_000_000
+
+
+def peer_args(*initial: PeerProcess, extra: tuple[str, ...] = ()) -> list[str]:
+    args = [str(TRANSPORT_PEER)]
+    for peer in initial:
+        args += ["--initial-peer", peer.maddrs[0]]
+    return args + list(extra)
+
+
+def call(caller: PeerProcess, callee: PeerProcess, name: str, num_bytes: int, **options) -> dict:
+    timeout_s = options.pop("timeout_s", 60)
+    command = {"op": "call", "peer": callee.peer_id, "name": name, "num_bytes": num_bytes}
+    return caller.request({**command, "timeout_s": timeout_s, **options}, timeout_s + 30)
+
+
+def test_call_moves_20mb_byte_exactly_and_refuses_oversize_requests():
+    first = start_peer_process(peer_args(extra=("--max-request-bytes", str(30 * MB))), READY_S)
+    second, third = start_peer_processes([peer_args(first), peer_args(first)], READY_S)
+
+    sized = call(second, first, "size", 20 * MB, seed=7)
+    assert sized["ok"], sized
+    assert json.loads(sized["response"]) == {
+        "num_bytes": 20 * MB, "sha256": sized["request_sha256"], "caller": second.peer_id,
+    }
+    echoed = call(third, second, "echo", 20 * MB, seed=8)
+    assert echoed["ok"] and echoed["echo_matches"] and echoed["num_bytes"] == 20 * MB, echoed
+
+    refused = call(third, first, "echo", 40 * MB)
+    assert not refused["ok"] and refused["error"] == "RequestTooLarge", refused
+    too_big = call(third, first, "echo", 2 * MB, max_response_bytes=MB)
+    assert not too_big["ok"] and too_big["error"] == "ResponseTooLarge", too_big
+    missing = call(third, first, "no-such-handler", 10)
+    assert not missing["ok"] and missing["error"] == "RemoteError", missing
+
+    still_serving = call(third, first, "echo", MB)
+    assert still_serving["ok"] and still_serving["echo_matches"], still_serving
+    assert first.alive()
+
+
+def test_calls_to_killed_or_frozen_peers_fail_within_their_timeout():
+    first = start_peer_process(peer_args(), READY_S)
+    doomed, frozen = start_peer_processes([peer_args(first), peer_args(first)], READY_S)
+    warm = call(first, doomed, "echo", 1000)
+    assert warm["ok"], warm
+    assert call(first, frozen, "echo", 1000)["ok"]
+
+    doomed.kill()
+    frozen.suspend()
+    for target in (doomed, frozen):
+        failed = call(first, target, "echo", MB, timeout_s=10)
+        assert not failed["ok"], failed
+        assert failed["error"] in {"PeerUnreachable", "CallTimeout"}, failed
+        assert failed["elapsed_s"] < 10 + 3, failed
+    frozen.resume()
+    assert call(first, frozen, "echo", 1000, timeout_s=30)["ok"], "a resumed peer serves again"
+
+
+def wait_for_records(peer: PeerProcess, key: str, done, timeout_s: float = 60) -> dict:
+    """Poll `get(key)` on `peer` until `done(records)` (polling with a deadline)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = peer.request({"op": "get", "key": key}, 60)["records"]
+        if done(records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.5)
+
+
+def test_dht_records_with_subkeys_cross_processes_and_expire():
+    first = start_peer_process(peer_args(), READY_S)
+    second = start_peer_process(peer_args(first), READY_S)
+    put = {"op": "store", "key": "members"}
+    assert first.request({**put, "subkey": "a", "value": "alpha", "ttl_s": 120}, 60)["stored"]
+    assert second.request({**put, "subkey": "b", "value": "beta", "ttl_s": 4}, 60)["stored"]
+
+    records = wait_for_records(first, "members", lambda r: {"a", "b"} <= r.keys())
+    assert records["a"][0] == "alpha" and records["b"][0] == "beta", records
+    records = wait_for_records(second, "members", lambda r: "b" not in r)
+    assert set(records) == {"a"}, f"the 4 s record should have expired: {records}"
+
+
+def test_four_peers_started_at_the_same_instant_form_one_swarm(tmp_path):
+    # The first peer's address is known in advance (identity + port), so all four launch
+    # at once and the others may dial it before it listens: they must not start alone.
+    seed_id = write_identity(tmp_path / "seed.key")
+    port = free_port()
+    seed = ["--identity", str(tmp_path / "seed.key"), "--port", str(port)]
+    joiner = ["--initial-peer", f"/ip4/127.0.0.1/tcp/{port}/p2p/{seed_id}"]
+    peers = start_peer_processes(
+        [[str(TRANSPORT_PEER), *seed]] + [[str(TRANSPORT_PEER), *joiner]] * 3, READY_S
+    )
+    assert peers[0].peer_id == seed_id
+    for peer in peers:
+        put = {"op": "store", "key": "swarm", "subkey": peer.peer_id, "value": "hi"}
+        assert peer.request({**put, "ttl_s": 120}, 60)["stored"]
+    everyone = {peer.peer_id for peer in peers}
+    for peer in peers:
+        records = wait_for_records(peer, "swarm", lambda r: everyone <= r.keys())
+        assert set(records) == everyone, f"{peer.name} sees only {sorted(records)}"
+
+
+def test_identity_persists_and_shutdown_leaves_no_daemon(tmp_path):
+    identity = tmp_path / "peer.key"
+    peer = start_peer_process(peer_args(extra=("--identity", str(identity))), READY_S)
+    first_id = peer.peer_id
+    daemons = peer.p2pd_pids()
+    assert identity.is_file() and len(daemons) == 1
+    assert peer.stop(timeout_s=60) == 0
+    assert not any(pid_alive(pid) for pid in daemons), "p2pd outlived its peer"
+    assert peer.group_pids() == []
+
+    again = start_peer_process(peer_args(extra=("--identity", str(identity))), READY_S)
+    assert again.peer_id == first_id
+    again.send({"op": "shutdown"})
+    assert again.next_event(60, lambda e: e.get("event") == "shutdown")["peer_id"] == first_id
+
+
+def test_port_in_use_is_a_clear_address_in_use_error():
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        with pytest.raises(PeerFailedToStart) as failure:
+            start_peer_process(peer_args(extra=("--port", str(port))), READY_S)
+    assert failure.value.report["error"] == "AddressInUse"
+    assert str(port) in failure.value.report["message"]
