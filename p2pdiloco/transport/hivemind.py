@@ -485,15 +485,17 @@ class HivemindTransport(Transport):
             length -= len(chunk)
 
     async def _read_body(self, reader: asyncio.StreamReader, length: int) -> bytes:
-        buffer = bytearray()
-        while len(buffer) < length:
+        """Read exactly `length` bytes in chunks of <= CHUNK_BYTES, each within the idle bound."""
+        parts, remaining = [], length
+        while remaining > 0:
             chunk = await asyncio.wait_for(
-                reader.read(min(CHUNK_BYTES, length - len(buffer))), self.idle_timeout_s
+                reader.read(min(CHUNK_BYTES, remaining)), self.idle_timeout_s
             )
             if not chunk:
-                raise asyncio.IncompleteReadError(bytes(buffer), length)
-            buffer += chunk
-        return bytes(buffer)
+                raise asyncio.IncompleteReadError(b"".join(parts), length)
+            parts.append(chunk)
+            remaining -= len(chunk)
+        return b"".join(parts)  # one copy; growing a bytearray and bytes()-ing it costs two
 
     # ---- DHT -------------------------------------------------------------------------
 

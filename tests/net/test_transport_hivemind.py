@@ -75,8 +75,11 @@ def test_calls_to_killed_or_frozen_peers_fail_within_their_timeout():
 
     doomed.kill()
     frozen.suspend()
-    for target in (doomed, frozen):
-        failed = call(first, target, "echo", MB, timeout_s=10)
+    command = {"op": "call", "name": "echo", "num_bytes": MB, "timeout_s": 10}
+    first.send({**command, "peer": doomed.peer_id, "id": "doomed"})  # both calls at once
+    first.send({**command, "peer": frozen.peer_id, "id": "frozen"})
+    for target in ("doomed", "frozen"):
+        failed = first.next_event(40, lambda event, target=target: event.get("id") == target)
         assert not failed["ok"], failed
         assert failed["error"] in {"PeerUnreachable", "CallTimeout"}, failed
         assert failed["elapsed_s"] < 10 + 3, failed
