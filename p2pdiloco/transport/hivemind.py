@@ -26,6 +26,8 @@ import os
 import signal
 import socket
 import struct
+import threading
+import time
 from contextlib import suppress
 
 from hivemind.dht import DHT
@@ -116,6 +118,41 @@ def _pid_alive(pid: int) -> bool:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     return False
+
+
+_FORKING_DHT = False
+
+
+def _fork_dht(dht: DHT) -> None:
+    """Fork hivemind's DHT process with an orphan watchdog (see `_watch_parent`)."""
+    global _FORKING_DHT
+    _FORKING_DHT = True
+    try:
+        dht.run_in_background(await_ready=False)
+    finally:
+        _FORKING_DHT = False
+
+
+def _after_fork_in_child() -> None:
+    if _FORKING_DHT:
+        threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+
+
+def _watch_parent(parent_pid: int, period_s: float = 1.0) -> None:
+    """In the DHT child: if our parent dies (even by SIGKILL), kill p2pd and exit.
+
+    hivemind's DHT process does not notice its parent's death, so without this a killed
+    peer leaves its DHT process and p2pd running, holding the port and the identity.
+    """
+    while os.getppid() == parent_pid:
+        time.sleep(period_s)  # a watchdog's period, not synchronisation
+    for pid in _child_pids(os.getpid()):
+        with suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    os._exit(1)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class HivemindTransport(Transport):
@@ -252,10 +289,10 @@ class HivemindTransport(Transport):
         self._dht = DHT(initial_peers=self.initial_peers, start=False, **options)
         deadline_s = timeout_s + 10
         try:
-            # DHT start forks and blocks until the child is ready: keep it off the loop.
+            _fork_dht(self._dht)
+            # Waiting for the child blocks: keep it off the loop.
             await asyncio.wait_for(
-                asyncio.to_thread(self._dht.run_in_background, True, timeout_s),
-                deadline_s,
+                asyncio.to_thread(self._dht.wait_until_ready, timeout_s), deadline_s
             )
             self._p2pd_pids += _child_pids(self._dht.pid) if self._dht.pid else []
             self._p2p = await asyncio.wait_for(self._dht.replicate_p2p(), timeout_s)

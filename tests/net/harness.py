@@ -192,9 +192,16 @@ class PeerProcess:
         except ProcessLookupError:
             pass
 
-    def kill(self) -> None:
-        """SIGKILL the whole process group (a machine dying), and reap the child."""
-        self._signal_group(signal.SIGKILL)
+    def kill(self, group: bool = True) -> None:
+        """SIGKILL the whole process group (a machine dying), and reap the child.
+
+        `group=False` kills only the peer's own process (the OOM killer's choice), leaving
+        whatever it spawned to notice on its own.
+        """
+        if group:
+            self._signal_group(signal.SIGKILL)
+        elif self.alive():
+            self.popen.kill()
         self.popen.wait(timeout=30)
 
     def stop(self, timeout_s: float = 30) -> int:

@@ -81,6 +81,7 @@ def test_calls_to_killed_or_frozen_peers_fail_within_their_timeout():
     for target in ("doomed", "frozen"):
         failed = first.next_event(40, lambda event, target=target: event.get("id") == target)
         assert not failed["ok"], failed
+        # killed: the connection is reset, PeerUnreachable at once; frozen: CallTimeout
         assert failed["error"] in {"PeerUnreachable", "CallTimeout"}, failed
         assert failed["elapsed_s"] < 10 + 3, failed
     frozen.resume()
@@ -155,3 +156,14 @@ def test_port_in_use_is_a_clear_address_in_use_error():
             start_peer_process(peer_args(extra=("--port", str(port))), READY_S)
     assert failure.value.report["error"] == "AddressInUse"
     assert str(port) in failure.value.report["message"]
+
+
+def test_a_peer_killed_alone_takes_its_dht_process_and_daemon_with_it():
+    peer = start_peer_process(peer_args(), READY_S)
+    spawned = [pid for pid in peer.group_pids() if pid != peer.pid]
+    assert peer.p2pd_pids() and len(spawned) >= 2, "a DHT process and a p2pd"
+    peer.kill(group=False)
+    deadline = time.monotonic() + 30
+    while any(pid_alive(pid) for pid in spawned) and time.monotonic() < deadline:
+        time.sleep(0.2)  # polling with a deadline
+    assert not any(pid_alive(pid) for pid in spawned), "orphans outlived their peer"
