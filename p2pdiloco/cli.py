@@ -15,7 +15,7 @@ from pathlib import Path
 
 from p2pdiloco import __version__
 from p2pdiloco.config import RunConfig, load_config
-from p2pdiloco.errors import ConfigError, P2PDilocoError
+from p2pdiloco.errors import ConfigError, NetworkSetupError, P2PDilocoError
 
 log = logging.getLogger("p2pdiloco")
 
@@ -148,6 +148,67 @@ def _write_json(path: Path, data: dict) -> None:
         raise ConfigError(f"cannot write --json {path}: {exc.strerror or exc}") from None
 
 
+# --- join --------------------------------------------------------------------------------
+
+
+def read_bootstrap_file(path: Path) -> list[str]:
+    """Multiaddrs of a `bootstrap_peers/<run>.txt` file: one a line, `#` comments."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise NetworkSetupError(
+            f"unknown run: {path} does not exist (pass --initial-peers or create it)"
+        ) from None
+    except OSError as exc:
+        raise NetworkSetupError(f"cannot read {path}: {exc.strerror or exc}") from None
+    addrs = []
+    for number, line in enumerate(lines, start=1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        if not text.startswith("/") or "/p2p/" not in text:
+            raise NetworkSetupError(
+                f"{path}:{number}: {text!r} is not a multiaddr like /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo..."
+            )
+        addrs.append(text)
+    return addrs
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    """Run the peer daemon: join a run, train, synchronise when elected."""
+    import signal
+
+    from p2pdiloco.peer import PeerDaemon, PeerOptions, make_transport_for
+
+    config = config_from_args(args)
+    initial = list(args.initial_peers or [])
+    if not initial and args.bootstrap_file is not None:
+        initial = read_bootstrap_file(args.bootstrap_file)
+    options = PeerOptions(
+        run=args.run,
+        initial_peers=tuple(initial),
+        host=args.host,
+        port=args.port,
+        client_mode=args.client_mode,
+        identity_path=str(args.identity) if args.identity else None,
+        data_rank=args.data_rank,
+        data_shards=args.data_shards,
+        heartbeat_s=args.heartbeat_s,
+        max_rounds=args.max_rounds,
+        max_steps=args.max_steps,
+        events=args.events,
+    )
+    daemon = PeerDaemon(config, options, make_transport_for(options))
+
+    def on_signal(signum, _frame) -> None:
+        log.info("signal=%d: leaving the run", signum)
+        daemon.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return daemon.run()
+
+
 # --- config ------------------------------------------------------------------------------
 
 
@@ -183,6 +244,31 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--merge", help="merge rule: mean, token, radial (outer.merge)")
     simulate.add_argument("--json", type=Path, help="write the figures to this JSON file")
     simulate.set_defaults(handler=cmd_simulate)
+
+    join = sub.add_parser("join", help="run the peer daemon: join a run and train")
+    _add_config_options(join)
+    join.add_argument("--run", default="local", help="run name (reads bootstrap_peers/<run>.txt)")
+    join.add_argument(
+        "--initial-peers", nargs="*", metavar="MULTIADDR", help="multiaddrs to bootstrap from"
+    )
+    join.add_argument(
+        "--bootstrap-file", type=Path, help="bootstrap file (default bootstrap_peers/<run>.txt)"
+    )
+    join.add_argument("--host", default="127.0.0.1", help="listen address")
+    join.add_argument("--port", type=int, default=0, help="listen port (0: any)")
+    join.add_argument(
+        "--client-mode", action="store_true", help="behind NAT: outgoing connections only"
+    )
+    join.add_argument("--identity", type=Path, help="Ed25519 key file (created if missing)")
+    join.add_argument("--data-rank", type=int, help="this peer's data shard")
+    join.add_argument("--data-shards", type=int, default=1, help="number of data shards")
+    join.add_argument("--heartbeat-s", type=float, default=2.0, help="seconds between heartbeats")
+    join.add_argument("--max-rounds", type=int, help="leave once every fragment reached this round")
+    join.add_argument("--max-steps", type=int, help="leave after this many inner steps")
+    join.add_argument(
+        "--events", action="store_true", help="print one JSON event per line on stdout"
+    )
+    join.set_defaults(handler=cmd_join)
 
     config = sub.add_parser("config", help="print the effective run config as TOML")
     _add_config_options(config)

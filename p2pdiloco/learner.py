@@ -1,0 +1,311 @@
+"""The learner loop: inner steps without a barrier, fragments shipped on schedule.
+
+Runs on the peer's training thread. Sending a delta, waiting for the window and
+receiving the result happen on the event loop (`learner_link`) while this loop keeps
+taking inner steps; when a fragment's update has been applied to the global state the
+loop takes it over (overwrite, the paper's choice, or rebase / mix) and resets that
+fragment's counters. A delta that came too late is resent to the next round.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from p2pdiloco import compress, wire
+from p2pdiloco.config import RunConfig
+from p2pdiloco.fragments import fragments_due
+from p2pdiloco.learner_link import Outcome
+from p2pdiloco.messages import LATE, MERGED
+from p2pdiloco.state import GlobalState
+from p2pdiloco.train import InnerTrainer, evaluate
+
+log = logging.getLogger(__name__)
+
+Submit = Callable[[int, int, bytes], "Future[Outcome]"]
+"""Hand a CONTRIBUTION frame (fragment, target round, frame) to the event loop."""
+
+
+@dataclass
+class InFlight:
+    """A delta on its way: kept so a late one can be resent to the next round."""
+
+    future: Future
+    target_round: int
+    base_round: int
+    tokens: int
+    steps: int
+    tensors: dict[str, compress.EncodedTensor]
+    resent: bool = False
+
+
+@dataclass
+class LearnerProgress:
+    """Everything the loop carries from one step to the next (a checkpoint restores it)."""
+
+    step: int = 0
+    tokens: int = 0
+    c_tokens: list[int] = field(default_factory=list)
+    """Tokens per fragment since that fragment was last received."""
+    c_steps: list[int] = field(default_factory=list)
+    """Inner steps per fragment since that fragment was last received."""
+    rounds_contributed: int = 0
+    tokens_contributed: int = 0
+    last_weight: float = 0.0
+    loss: float = 0.0
+    eval_loss: float = 0.0
+    step_time_s: float = 0.0
+    tokens_per_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    status: str = "starting"
+
+
+class Learner:
+    """One peer's training loop over its replica and the shared global state."""
+
+    def __init__(
+        self,
+        peer_id: str,
+        run: str,
+        config: RunConfig,
+        trainer: InnerTrainer,
+        batches: Iterator[torch.Tensor],
+        state: GlobalState,
+        submit: Submit,
+        eval_set: list[torch.Tensor],
+        on_event: Callable[[dict], None] = lambda event: None,
+    ) -> None:
+        self.peer_id = peer_id
+        self.run_name = run
+        self.config = config
+        self.trainer = trainer
+        self.batches = batches
+        self.state = state
+        self.submit = submit
+        self.eval_set = eval_set
+        self.on_event = on_event
+        self.codec = compress.make_codec_from_config(config.compress)
+        lossy = config.compress.codec not in ("fp32",)
+        self.feedback = (
+            compress.ErrorFeedback() if config.compress.error_feedback and lossy else None
+        )
+        num_fragments = state.num_fragments
+        self.progress = LearnerProgress(c_tokens=[0] * num_fragments, c_steps=[0] * num_fragments)
+        self.in_flight: dict[int, InFlight] = {}
+        self.received: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+        self._shipped_local: dict[int, dict[str, torch.Tensor]] = {}
+        self._params = dict(trainer.model.named_parameters())
+        state.listeners.append(lambda fragment, round_id: self.received.put((fragment, round_id)))
+        self.load_global_into_model(range(num_fragments))
+
+    # --- the loop -----------------------------------------------------------------------
+
+    def run(
+        self, stop: threading.Event, max_rounds: int | None = None, max_steps: int | None = None
+    ) -> None:
+        """Train until `stop` is set, fragment 0 reached `max_rounds`, or `max_steps`."""
+        sync = self.config.sync
+        self.progress.status = "training"
+        while not stop.is_set():
+            # every step
+            started = time.monotonic()
+            result = self.trainer.step(self.batches)
+            self._count(result.tokens, time.monotonic() - started, result.loss)
+
+            # ship the fragments that are due
+            for fragment in fragments_due(self.progress.step, sync.inner_steps, sync.num_fragments):
+                self.ship(fragment)
+
+            # results that arrived
+            self.collect_outcomes()
+            self.take_over_updates()
+
+            # once in a while
+            if self.progress.step % 10 == 0:
+                self.on_event(
+                    {
+                        "event": "step",
+                        "step": self.progress.step,
+                        "loss": self.progress.loss,
+                        "rounds": list(self.state.rounds),
+                    }
+                )
+
+            # stop
+            if max_rounds is not None and min(self.state.rounds) >= max_rounds:
+                break
+            if max_steps is not None and self.progress.step >= max_steps:
+                break
+        self.progress.status = "leaving"
+
+    def _count(self, tokens: int, step_time_s: float, loss: float) -> None:
+        p = self.progress
+        p.step += 1
+        p.tokens += tokens
+        for fragment in range(len(p.c_tokens)):
+            p.c_tokens[fragment] += tokens
+            p.c_steps[fragment] += 1
+        p.step_time_s = step_time_s if p.step == 1 else 0.9 * p.step_time_s + 0.1 * step_time_s
+        p.tokens_per_s = tokens / max(p.step_time_s, 1e-9)
+        p.loss = loss if p.step == 1 else 0.9 * p.loss + 0.1 * loss
+
+    # --- ship a fragment ----------------------------------------------------------------
+
+    def ship(self, fragment: int) -> None:
+        """Encode this fragment's delta against its global base and hand it to the network."""
+        if fragment in self.in_flight or self.progress.c_steps[fragment] == 0:
+            return  # the previous one is still on its way; the next schedule takes both
+        base_round, base = self.state.fragment_params(fragment)
+        local = {n: self._params[n].detach().float().cpu() for n in base}
+        delta = {n: base[n] - local[n] for n in base}
+        tensors = compress.encode_tensors(self.codec, delta, self.feedback)
+        if self.config.sync.on_receive == "rebase":
+            self._shipped_local[fragment] = {n: t.clone() for n, t in local.items()}
+        item = InFlight(
+            future=Future(),
+            target_round=base_round,
+            base_round=base_round,
+            tokens=self.progress.c_tokens[fragment],
+            steps=self.progress.c_steps[fragment],
+            tensors=tensors,
+        )
+        self._send(fragment, item)
+
+    def _send(self, fragment: int, item: InFlight) -> None:
+        message = wire.Message(
+            kind=wire.CONTRIBUTION,
+            run=self.run_name,
+            round=item.target_round,
+            fragment=fragment,
+            meta={
+                "peer": self.peer_id,
+                "base_round": item.base_round,
+                "tokens": item.tokens,
+                "steps": item.steps,
+                "step_time_s": self.progress.step_time_s,
+            },
+            tensors=item.tensors,
+        )
+        frame = wire.encode_message(message)
+        self.progress.bytes_sent += len(frame)
+        item.future = self.submit(fragment, item.target_round, frame)
+        self.in_flight[fragment] = item
+        self.progress.status = "syncing"
+        log.info(
+            "shipped fragment=%d round=%d base=%d tokens=%d bytes=%d",
+            fragment,
+            item.target_round,
+            item.base_round,
+            item.tokens,
+            len(frame),
+        )
+
+    # --- results that arrived -----------------------------------------------------------
+
+    def collect_outcomes(self) -> None:
+        """Book finished contributions; resend a late one once to the next round."""
+        for fragment, item in list(self.in_flight.items()):
+            if not item.future.done():
+                continue
+            del self.in_flight[fragment]
+            try:
+                outcome: Outcome = item.future.result()
+            except Exception as exc:  # noqa: BLE001 - a network fault is a missed window
+                log.warning("contribution failed fragment=%d error=%r", fragment, exc)
+                continue
+            self.progress.bytes_received += outcome.bytes_received
+            self.on_event(
+                {
+                    "event": "contributed",
+                    "fragment": fragment,
+                    "round": outcome.round,
+                    "status": outcome.status,
+                    "weight": outcome.weight,
+                    "synchronizer": outcome.synchronizer,
+                    "reason": outcome.reason,
+                }
+            )
+            if outcome.status == MERGED:
+                self.progress.rounds_contributed += 1
+                self.progress.tokens_contributed += item.tokens
+                self.progress.last_weight = outcome.weight
+                self.progress.status = "training"
+            elif outcome.status == LATE and not item.resent:
+                # Missed the window: the same delta joins the next round, one round stale.
+                self.progress.status = "straggling"
+                next_round = self.state.round_of(fragment)
+                if (
+                    next_round > item.target_round
+                    and next_round - item.base_round <= self.config.sync.max_staleness_rounds
+                ):
+                    item.target_round, item.resent = next_round, True
+                    self._send(fragment, item)
+            else:
+                self.progress.status = "training"
+
+    def take_over_updates(self) -> None:
+        """Take over fragments whose global update was applied; reset their counters."""
+        updated = set()
+        while True:
+            try:
+                fragment, _round = self.received.get_nowait()
+            except queue.Empty:
+                break
+            updated.add(fragment)
+        if not updated:
+            return
+        self.load_global_into_model(sorted(updated))
+        for fragment in updated:
+            self.progress.c_tokens[fragment] = 0
+            self.progress.c_steps[fragment] = 0
+        if 0 in updated and self.eval_set:
+            self.progress.eval_loss = self.evaluate_global()
+            self.on_event(
+                {
+                    "event": "eval",
+                    "rounds": list(self.state.rounds),
+                    "eval_loss": self.progress.eval_loss,
+                    "step": self.progress.step,
+                }
+            )
+
+    @torch.no_grad()
+    def load_global_into_model(self, fragments) -> None:
+        """On receive: overwrite (default), rebase the progress since shipping, or mix."""
+        mode, alpha = self.config.sync.on_receive, self.config.sync.mix_alpha
+        for fragment in fragments:
+            _round, global_params = self.state.fragment_params(fragment)
+            shipped = self._shipped_local.pop(fragment, None)
+            for name, value in global_params.items():
+                param = self._params[name]
+                target = value.to(param.device, param.dtype)
+                if mode == "mix":
+                    param.mul_(1 - alpha).add_(target, alpha=alpha)
+                elif mode == "rebase" and shipped is not None:
+                    progress_since_ship = param.detach() - shipped[name].to(
+                        param.device, param.dtype
+                    )
+                    param.copy_(target + progress_since_ship)
+                else:
+                    param.copy_(target)
+
+    def evaluate_global(self) -> float:
+        """Held-out loss of the global parameters (on a copy, the replica is untouched)."""
+        model = self.trainer.model
+        saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with self.state.lock, torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(self.state.params[name].to(p.device, p.dtype))
+        loss = evaluate(model, self.eval_set, self.trainer.device)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(saved[name])
+        return loss

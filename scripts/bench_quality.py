@@ -1,0 +1,150 @@
+"""Benchmark: DiLoCo's held-out loss against synchronous data parallel at equal tokens.
+
+Runs the in-process simulator (M learners, H inner steps, outer Nesterov) and the
+synchronous baseline (gradients of the same M micro-batches averaged every step) in one
+run on the embedded corpus, then the merge rules side by side and M = 1, 2, 4.
+
+    python scripts/bench_quality.py --quick --json out/quality.json
+    python scripts/bench_quality.py --json out/quality.json --plot docs/quality_loss.png
+
+The last line printed is a one-line summary. Full setting: see docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from p2pdiloco.config import RunConfig, load_config, replace
+from p2pdiloco.data import Corpus
+from p2pdiloco.simulate import DeltaChannel, SimulationResult, fp32_channel, simulate
+
+QUICK = [
+    "model.preset='tiny'",
+    "model.seq_len=64",
+    "data.max_files=300",
+    "train.batch_size=4",
+    "train.warmup_steps=10",
+    "sync.inner_steps=20",
+    "simulate.rounds=3",
+    "simulate.eval_batches=4",
+]
+FULL = [
+    "model.preset='tiny'",
+    "model.seq_len=128",
+    "train.batch_size=8",
+    "train.warmup_steps=50",
+    "sync.inner_steps=100",
+    "simulate.rounds=15",
+    "simulate.eval_batches=16",
+]
+
+
+def make_channel(config: RunConfig, codec_name: str) -> DeltaChannel:
+    """The path a delta takes: fp32 as is, or through a codec (with error feedback)."""
+    if codec_name == "fp32":
+        return fp32_channel
+    try:
+        from p2pdiloco.compress import codec_channel
+    except ImportError:
+        raise SystemExit(f"--codec {codec_name}: this build has no compress module yet") from None
+    return codec_channel(config, codec_name)
+
+
+def figures(result: SimulationResult) -> dict:
+    """The JSON figures of one simulation."""
+    out = {
+        "learners": result.learners,
+        "inner_steps": result.inner_steps,
+        "rounds": result.rounds,
+        "merge": result.merge_rule,
+        "tokens": result.tokens,
+        "diloco_eval_loss": result.diloco_eval_loss,
+        "comm_reduction": result.comm_reduction,
+        "diloco_curve": {"tokens": result.diloco.tokens, "eval_loss": result.diloco.eval_loss},
+    }
+    if result.sync is not None:
+        out["sync_eval_loss"] = result.sync_eval_loss
+        out["loss_ratio"] = result.diloco_eval_loss / result.sync_eval_loss
+        out["sync_curve"] = {"tokens": result.sync.tokens, "eval_loss": result.sync.eval_loss}
+    return out
+
+
+def plot(main: dict, path: Path) -> None:
+    """Held-out loss against tokens for DiLoCo and synchronous DP (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: pip install 'p2pdiloco[bench]' to plot", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    ax.plot(main["sync_curve"]["tokens"], main["sync_curve"]["eval_loss"], label="synchronous DP", marker="o")
+    ax.plot(main["diloco_curve"]["tokens"], main["diloco_curve"]["eval_loss"], label=f"DiLoCo M={main['learners']} H={main['inner_steps']}", marker="s")
+    ax.set_xlabel("tokens (all learners)")
+    ax.set_ylabel("held-out loss (nats/byte)")
+    ax.set_title(f"{main['merge']} merge, comm reduction {main['comm_reduction']:.0f}x")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="about a minute on 2 CPU cores")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--plot", type=Path, help="write a PNG of loss against tokens here")
+    parser.add_argument("--codec", default="fp32", help="delta codec for the DiLoCo runs (fp32, int8, ...)")
+    parser.add_argument("--learners", type=int, default=4)
+    parser.add_argument("--no-sweeps", action="store_true", help="skip the merge-rule and learner-count sweeps")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help="extra config override")
+    args = parser.parse_args()
+
+    started = time.time()
+    config = load_config(None, [*(QUICK if args.quick else FULL), f"simulate.learners={args.learners}", *args.overrides])
+    corpus = Corpus.from_config(config.data)
+    channel = make_channel(config, args.codec)
+    main_result = figures(simulate(config, corpus=corpus, channel=channel))
+    report = {**main_result, "codec": args.codec, "setting": "quick" if args.quick else "full"}
+
+    if not args.no_sweeps:
+        # Merge rules side by side (the baseline does not depend on the rule).
+        report["merge_rules"] = {main_result["merge"]: {"diloco_eval_loss": main_result["diloco_eval_loss"], "loss_ratio": main_result["loss_ratio"]}}
+        for rule in ("mean", "token", "radial"):
+            if rule in report["merge_rules"]:
+                continue
+            rule_config = replace(config, outer={"merge": rule}, simulate={"baseline": False})
+            loss = simulate(rule_config, corpus=corpus, channel=make_channel(rule_config, args.codec)).diloco_eval_loss
+            report["merge_rules"][rule] = {"diloco_eval_loss": loss, "loss_ratio": loss / main_result["sync_eval_loss"]}
+        # Learner counts: each with its own baseline on the same M micro-batches.
+        report["learner_counts"] = {str(args.learners): {k: main_result[k] for k in ("diloco_eval_loss", "sync_eval_loss", "loss_ratio")}}
+        for count in (1, 2, 4):
+            if str(count) in report["learner_counts"]:
+                continue
+            count_config = replace(config, simulate={"learners": count})
+            result = figures(simulate(count_config, corpus=corpus, channel=make_channel(count_config, args.codec)))
+            report["learner_counts"][str(count)] = {k: result[k] for k in ("diloco_eval_loss", "sync_eval_loss", "loss_ratio")}
+
+    report["wall_s"] = round(time.time() - started, 1)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot:
+        plot(main_result, args.plot)
+    print(
+        f"bench_quality {report['setting']}: M={report['learners']} H={report['inner_steps']} codec={args.codec} "
+        f"diloco={report['diloco_eval_loss']:.4f} sync={report['sync_eval_loss']:.4f} "
+        f"loss_ratio={report['loss_ratio']:.4f} comm_reduction={report['comm_reduction']:.0f}x wall={report['wall_s']}s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
