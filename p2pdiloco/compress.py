@@ -269,13 +269,14 @@ class _BlockCodec(Codec):
         return -(-numel // block) * scale_bytes + self._codes_bytes(numel)
 
     def _block_absmax(self, flat: torch.Tensor) -> torch.Tensor:
-        """Absmax of every block, the last one possibly short; one pass, no temporaries."""
+        """Absmax of every block, the last one possibly short, without a full-size temporary."""
         n, block = flat.numel(), self.block_size
         full = n - n % block
         parts = []
         if full:
-            low, high = torch.aminmax(flat[:full].view(-1, block), dim=1)
-            parts.append(torch.maximum(high, low.neg_()))
+            rows = flat[:full].view(-1, block)
+            # amax and amin separately: aminmax(dim=) is several times slower on CPU
+            parts.append(torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_()))
         if full < n:
             parts.append(flat[full:].abs().amax().reshape(1))
         return torch.cat(parts) if parts else flat.new_empty(0)
@@ -489,11 +490,10 @@ class _TopkCodec(Codec):
     def raw_payload_bytes(self, numel: int, meta: Mapping[str, Any]) -> int:
         _check_meta_keys(meta, {"k", "index_bytes"}, self.name)
         k = _meta_int(meta, "k", 0, numel)
-        if meta.get("index_bytes") not in (1, 2, 4) or isinstance(meta["index_bytes"], bool):
-            raise ValueError(
-                f"meta 'index_bytes' must be 1, 2 or 4, got {meta.get('index_bytes')!r}"
-            )
-        return 4 + k * (meta["index_bytes"] + 1)
+        width = _meta_int(meta, "index_bytes", 1, 4)
+        if width == 3:
+            raise ValueError("meta 'index_bytes' must be 1, 2 or 4, got 3")
+        return 4 + k * (width + 1)
 
     def decode(self, encoded: EncodedTensor) -> torch.Tensor:
         n = self._check_encoded(encoded)
