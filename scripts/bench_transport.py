@@ -146,7 +146,9 @@ async def measure(server: dict[str, Any], num_bytes: int, repeats: int) -> dict[
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="20 MB, 3 repeats (well under a minute)")
+    parser.add_argument(
+        "--quick", action="store_true", help="20 MB, 3 repeats (well under a minute)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     parser.add_argument("--mb", type=float, default=None, help="payload size, MB")
     parser.add_argument("--repeats", type=int, default=None)
@@ -161,7 +163,10 @@ def main() -> int:
 
     server = subprocess.Popen(
         [sys.executable, __file__, "--serve", "--mb", str(num_bytes / 1e6)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         line = server.stdout.readline()  # readiness line (the server's start is bounded)

@@ -154,7 +154,10 @@ def test_client_mode_peers_cannot_reach_each_other_but_can_reach_servers():
     async def main():
         network = MemoryNetwork()
         server = MemoryTransport(network)
-        c1, c2 = MemoryTransport(network, client_mode=True), MemoryTransport(network, client_mode=True)
+        c1, c2 = (
+            MemoryTransport(network, client_mode=True),
+            MemoryTransport(network, client_mode=True),
+        )
         for t in (server, c1, c2):
             await t.start()
             await t.register_handler("echo", echo)

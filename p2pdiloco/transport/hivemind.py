@@ -223,7 +223,9 @@ class HivemindTransport(Transport):
             try:
                 write_ed25519_identity(self.identity_path)
             except OSError as e:
-                raise TransportStartError(f"cannot write identity {self.identity_path}: {e}") from None
+                raise TransportStartError(
+                    f"cannot write identity {self.identity_path}: {e}"
+                ) from None
             logger.info("identity_created path=%s", self.identity_path)
         try:
             await self._start_dht()
@@ -233,7 +235,9 @@ class HivemindTransport(Transport):
         self._ready.set()
         logger.info(
             "transport_started kind=hivemind peer_id=%s maddrs=%s client_mode=%s",
-            self._peer_id, ",".join(self._maddrs), self._client_mode,
+            self._peer_id,
+            ",".join(self._maddrs),
+            self._client_mode,
         )
 
     async def _start_dht(self) -> None:
@@ -400,7 +404,10 @@ class HivemindTransport(Transport):
             if length > max_request:
                 logger.warning(
                     "rpc_rejected reason=request_too_large name=%s caller=%s bytes=%d limit=%d",
-                    name, caller, length, max_request,
+                    name,
+                    caller,
+                    length,
+                    max_request,
                 )
                 message = f"request of {length} bytes exceeds limit of {max_request} bytes"
                 await self._send(writer, _STATUS_TOO_LARGE, message.encode())

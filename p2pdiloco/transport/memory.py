@@ -184,7 +184,9 @@ class MemoryTransport(Transport):
             raise
         except Exception as e:
             logger.warning("handler_failed name=%s caller=%s error=%r", name, self._peer_id, e)
-            raise RemoteError(f"handler {name} on {peer_id} failed: {type(e).__name__}: {e}") from None
+            raise RemoteError(
+                f"handler {name} on {peer_id} failed: {type(e).__name__}: {e}"
+            ) from None
         if self.network._route(peer_id) is not remote:
             raise PeerUnreachable(f"peer {peer_id} went away during the call")
         if len(response) > max_response:

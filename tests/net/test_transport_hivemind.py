@@ -49,7 +49,9 @@ def test_call_moves_20mb_byte_exactly_and_refuses_oversize_requests():
     sized = call(second, first, "size", 20 * MB, seed=7)
     assert sized["ok"], sized
     assert json.loads(sized["response"]) == {
-        "num_bytes": 20 * MB, "sha256": sized["request_sha256"], "caller": second.peer_id,
+        "num_bytes": 20 * MB,
+        "sha256": sized["request_sha256"],
+        "caller": second.peer_id,
     }
     echoed = call(third, second, "echo", 20 * MB, seed=8)
     assert echoed["ok"] and echoed["echo_matches"] and echoed["num_bytes"] == 20 * MB, echoed

@@ -66,7 +66,12 @@ async def run_command(transport: Transport, command: dict[str, Any]) -> dict[str
             )
         except TransportError as e:
             elapsed_s = time.monotonic() - started
-            return {"ok": False, "error": type(e).__name__, "message": str(e), "elapsed_s": elapsed_s}
+            return {
+                "ok": False,
+                "error": type(e).__name__,
+                "message": str(e),
+                "elapsed_s": elapsed_s,
+            }
         return {
             "ok": True,
             "elapsed_s": time.monotonic() - started,
