@@ -197,6 +197,10 @@ def cmd_join(args: argparse.Namespace) -> int:
         max_rounds=args.max_rounds,
         max_steps=args.max_steps,
         events=args.events,
+        straggle_s=args.straggle_s,
+        straggle_rounds=args.straggle_rounds,
+        corrupt=args.corrupt or "",
+        corrupt_rounds=args.corrupt_rounds,
     )
     daemon = PeerDaemon(config, options, make_transport_for(options))
 
@@ -207,6 +211,43 @@ def cmd_join(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     return daemon.run()
+
+
+def cmd_bootstrap(args: argparse.Namespace) -> int:
+    """A DHT-only node: no training; prints the multiaddrs for bootstrap_peers/<run>.txt."""
+    import asyncio
+    import signal
+
+    from p2pdiloco.peer import PeerOptions, make_transport_for
+
+    options = PeerOptions(
+        initial_peers=tuple(args.initial_peers or []),
+        host=args.host,
+        port=args.port,
+        identity_path=str(args.identity) if args.identity else None,
+    )
+    transport = make_transport_for(options)
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        await transport.start()
+        try:
+            maddrs = transport.visible_maddrs()
+            if args.events:
+                print(json.dumps({"ready": True, "peer_id": transport.peer_id, "maddrs": maddrs}), flush=True)
+            else:
+                print("# bootstrap node is up; put these lines in bootstrap_peers/<run>.txt", flush=True)
+                for maddr in maddrs:
+                    print(maddr, flush=True)
+            await stop.wait()
+        finally:
+            await transport.shutdown()
+
+    asyncio.run(serve())
+    return 0
 
 
 # --- config ------------------------------------------------------------------------------
@@ -268,7 +309,20 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument(
         "--events", action="store_true", help="print one JSON event per line on stdout"
     )
+    faults = join.add_argument_group("fault injection (tests and benchmarks)")
+    faults.add_argument("--straggle-s", type=float, default=0.0, help="delay contributions to early rounds (s)")
+    faults.add_argument("--straggle-rounds", type=int, default=0, help="rounds affected by --straggle-s")
+    faults.add_argument("--corrupt", choices=["nan", "garbage"], help="send corrupt contributions to early rounds")
+    faults.add_argument("--corrupt-rounds", type=int, default=0, help="rounds affected by --corrupt")
     join.set_defaults(handler=cmd_join)
+
+    bootstrap = sub.add_parser("bootstrap", help="run a DHT-only node and print its multiaddrs")
+    bootstrap.add_argument("--host", default="127.0.0.1", help="listen address")
+    bootstrap.add_argument("--port", type=int, default=0, help="listen port (0: any)")
+    bootstrap.add_argument("--identity", type=Path, help="Ed25519 key file (created if missing)")
+    bootstrap.add_argument("--initial-peers", nargs="*", metavar="MULTIADDR", help="other bootstrap nodes")
+    bootstrap.add_argument("--events", action="store_true", help="print a JSON readiness line")
+    bootstrap.set_defaults(handler=cmd_bootstrap)
 
     config = sub.add_parser("config", help="print the effective run config as TOML")
     _add_config_options(config)

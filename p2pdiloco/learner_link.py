@@ -73,7 +73,9 @@ class LearnerLink:
 
     async def contribute(self, fragment: int, target_round: int, frame: bytes) -> Outcome:
         """Send one CONTRIBUTION frame addressed to `target_round`; apply the reply's update."""
-        timeout_s = self.config.sync.round_deadline_s
+        # A live synchronizer always answers by its window deadline plus grace and merge
+        # time; only a dead or frozen one runs past this (then: failover).
+        timeout_s = self.config.sync.round_deadline_s + self.config.sync.max_grace_s + 30.0
         tried: list[str] = []
         for candidate in self.candidates(target_round, fragment)[:MAX_CANDIDATES]:
             tried.append(candidate)

@@ -70,6 +70,14 @@ class PeerOptions:
     """Print one JSON line per event on stdout (tests and the demo read these)."""
     startup_timeout_s: float = 120.0
     """Bound on joining the DHT."""
+    straggle_s: float = 0.0
+    """Fault injection (tests, benchmarks): delay contributions to early rounds by this much."""
+    straggle_rounds: int = 0
+    """Rounds (from 0) whose contributions are delayed by `straggle_s`."""
+    corrupt: str = ""
+    """Fault injection: send `nan` deltas or `garbage` frames to early rounds."""
+    corrupt_rounds: int = 0
+    """Rounds (from 0) whose contributions are corrupted."""
 
 
 @dataclass
@@ -463,6 +471,20 @@ class PeerDaemon:
             momentum=momentum,
             hash=str(msg.meta["hash"]),
         )
+
+
+def corrupt_frame(frame: bytes, kind: str) -> bytes:
+    """Fault injection: a frame with a NaN in its first tensor, or random garbage."""
+    if kind == "garbage":
+        return bytes(reversed(frame[: len(frame) // 2]))
+    msg = wire.decode_message(frame, wire.WireLimits())
+    assert not isinstance(msg, wire.Rejected)
+    tensors = compress.decode_tensors(msg.tensors)
+    name = next(iter(tensors))
+    tensors[name].view(-1)[0] = float("nan")
+    fp32 = compress.make_codec("fp32")
+    encoded = {**msg.tensors, name: fp32.encode(tensors[name])}
+    return wire.encode_message(wire.Message(kind=msg.kind, run=msg.run, round=msg.round, fragment=msg.fragment, meta=msg.meta, tensors=encoded))
 
 
 def make_transport_for(options: PeerOptions) -> Transport:

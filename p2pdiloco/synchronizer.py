@@ -191,6 +191,8 @@ class Synchronizer:
         reason = self._check_layout(fragment, delta)
         if reason:
             return self._reject(target, fragment, reason, caller)
+        if (target, fragment) not in self.windows and await self._already_closed(target, fragment):
+            return messages.reply(self.run, target, fragment, self.peer_id, messages.LATE, reason="round already closed elsewhere")
         window = self._window(target, fragment)
         if caller in window.contributions:
             return self._reject(target, fragment, "already contributed to this window", caller)
@@ -227,6 +229,11 @@ class Synchronizer:
                 messages.NO_QUORUM,
                 reason="window did not close in time",
             )
+
+    async def _already_closed(self, round_id: int, fragment: int) -> bool:
+        """True when another synchronizer already published (round, fragment) (failover race)."""
+        records = await self.transport.get(messages.rounds_key(self.run, fragment))
+        return str(round_id) in records
 
     def _check_layout(self, fragment: int, delta: dict[str, torch.Tensor]) -> str | None:
         names = self.state.fragments[fragment]

@@ -1,0 +1,91 @@
+"""Helpers for swarm tests: peer command lines and an event log per peer process."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .harness import PeerProcess, start_peer_process, start_peer_processes
+
+TINY_RUN = [
+    "model.preset='tiny'",
+    "model.seq_len=32",
+    "data.max_files=60",
+    "train.batch_size=2",
+    "train.device='cpu'",
+    "train.warmup_steps=5",
+    "sync.inner_steps=10",
+    "sync.round_deadline_s=60",
+]
+
+
+def join_args(*, initial: list[str] | None = None, sets: list[str] = (), flags: list[str] = ()) -> list[str]:
+    """Arguments of `python -m p2pdiloco join` for a tiny test swarm."""
+    args = ["-m", "p2pdiloco", "join", "--events", "--heartbeat-s", "1"]
+    for item in [*TINY_RUN, *sets]:
+        args += ["--set", item]
+    if initial:
+        args += ["--initial-peers", *initial]
+    return [*args, *flags]
+
+
+def start_bootstrap() -> PeerProcess:
+    return start_peer_process(["-m", "p2pdiloco", "bootstrap", "--events"], ready_timeout_s=180)
+
+
+def start_learners(num: int, initial: list[str], sets: list[str] = (), flags: list[str] = (), per_peer=None) -> list[PeerProcess]:
+    """Start `num` learners at the same instant; `per_peer(i)` adds flags for learner i."""
+    many = [join_args(initial=initial, sets=sets, flags=[*flags, *(per_peer(i) if per_peer else [])]) for i in range(num)]
+    return start_peer_processes(many, ready_timeout_s=240)
+
+
+class Events:
+    """Every event a peer printed, kept, so several conditions can be checked on them."""
+
+    def __init__(self, peer: PeerProcess) -> None:
+        self.peer = peer
+        self.seen: list[dict[str, Any]] = []
+
+    def pump(self, timeout_s: float = 0.05) -> None:
+        try:
+            self.seen.append(self.peer.next_event(timeout_s))
+        except (TimeoutError, EOFError):
+            pass
+
+    def wait(self, match: Callable[[dict[str, Any]], bool], timeout_s: float) -> dict[str, Any]:
+        """The first event (seen or new) satisfying `match`; TimeoutError after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        checked = 0
+        while True:
+            for event in self.seen[checked:]:
+                if match(event):
+                    return event
+            checked = len(self.seen)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{self.peer.name}: no matching event in {timeout_s}s; last: {self.seen[-5:]}\n{self.peer.stderr_tail(3000)}")
+            try:
+                self.seen.append(self.peer.next_event(min(remaining, 1.0)))
+            except TimeoutError:
+                pass
+            except EOFError:
+                if not any(match(e) for e in self.seen[checked:]):
+                    raise
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.seen if e.get("event") == kind]
+
+    def hashes(self) -> dict[tuple[int, int], str]:
+        """(fragment, round) -> hash after this peer applied that round's update."""
+        return {(e["fragment"], e["round"]): e["hash"] for e in self.of("applied")}
+
+
+def wait_all(logs: list[Events], match: Callable[[dict[str, Any]], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for log in logs:
+        log.wait(match, max(deadline - time.monotonic(), 1.0))
+
+
+def applied(round_id: int, fragment: int = 0) -> Callable[[dict[str, Any]], bool]:
+    return lambda e: e.get("event") == "applied" and e["fragment"] == fragment and e["round"] >= round_id

@@ -1,0 +1,154 @@
+"""The swarm with real peers: separate OS processes on 127.0.0.1, faults as real signals.
+
+Each test starts a bootstrap node and tiny learners (`python -m p2pdiloco join`), reads
+the JSON events they print, and ends on the property that matters: every replica holds
+the same global state (hash) after every round it applied.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .swarm_util import Events, applied, join_args, start_bootstrap, start_learners, wait_all
+from .harness import start_peer_process
+
+pytestmark = pytest.mark.timeout(900)
+
+ROUND_WAIT_S = 300
+
+
+def assert_replicas_identical(logs: list[Events], min_common: int = 1) -> None:
+    """Every (fragment, round) applied by several peers has one hash across them."""
+    tables = [log.hashes() for log in logs]
+    common = set.intersection(*(set(t) for t in tables))
+    assert len(common) >= min_common, f"only {len(common)} rounds in common"
+    for key in sorted(common):
+        assert len({t[key] for t in tables}) == 1, f"replicas differ at (fragment, round) {key}"
+
+
+def test_peers_train_one_model_and_replicas_stay_identical() -> None:
+    boot = start_bootstrap()
+    peers = start_learners(
+        3,
+        boot.maddrs,
+        sets=["sync.min_quorum=2", "sync.num_fragments=2"],
+        flags=["--max-rounds", "4", "--data-shards", "3"],
+        per_peer=lambda i: ["--data-rank", str(i)],
+    )
+    logs = [Events(p) for p in peers]
+    wait_all(logs, lambda e: e.get("event") == "stopped", ROUND_WAIT_S)
+    for log in logs:
+        assert {r for (f, r) in log.hashes() if f == 0} >= {0, 1, 2, 3}
+        assert {r for (f, r) in log.hashes() if f == 1} >= {0, 1, 2, 3}
+    assert_replicas_identical(logs, min_common=8)
+    evals = [e["eval_loss"] for e in logs[0].of("eval")]
+    assert len(evals) >= 3 and evals[-1] < evals[0]
+    closed = [e for log in logs for e in log.of("round_closed")]
+    # the synchronizer role rotates
+    assert len({tuple(e["contributors"]) for e in closed}) >= 1
+    assert len({log.peer.peer_id for log in logs if log.of("round_closed")}) >= 2
+    for peer in peers:
+        assert peer.stop() == 0
+
+
+def test_frozen_peer_is_left_out_and_catches_up_after_sigcont() -> None:
+    boot = start_bootstrap()
+    peers = start_learners(4, boot.maddrs, sets=["sync.min_quorum=3", "sync.round_deadline_s=20"])
+    logs = [Events(p) for p in peers]
+    wait_all(logs, applied(1), ROUND_WAIT_S)
+    frozen, others = logs[3], logs[:3]
+    frozen.peer.suspend()
+    base = max(r for (f, r) in others[0].hashes())
+    wait_all(others, applied(base + 3), ROUND_WAIT_S)
+    # rounds closed while it was frozen did not include it
+    closed_without = [e for log in others for e in log.of("round_closed") if base + 1 <= e["round"] <= base + 3]
+    assert closed_without and all(frozen.peer.peer_id not in e["contributors"] for e in closed_without)
+    frozen.peer.resume()
+    target = max(r for (f, r) in others[0].hashes()) + 1
+    wait_all(logs, applied(target), ROUND_WAIT_S)
+    assert_replicas_identical(logs, min_common=2)
+    key = (0, target)
+    assert frozen.hashes()[key] == others[0].hashes()[key]
+
+
+def test_straggler_inside_the_grace_window_is_merged_one_after_it_lands_next_round() -> None:
+    boot = start_bootstrap()
+    grace = ["sync.min_quorum=2", "sync.overlap_steps=100000", "sync.max_grace_s=8", "sync.grace_gamma=0.5"]
+    delays = {2: ["--straggle-s", "3", "--straggle-rounds", "1"], 3: ["--straggle-s", "14", "--straggle-rounds", "1"]}
+    peers = start_learners(4, boot.maddrs, sets=grace, per_peer=lambda i: delays.get(i, []))
+    logs = [Events(p) for p in peers]
+    wait_all(logs, applied(1), ROUND_WAIT_S)
+    slow, late = peers[2].peer_id, peers[3].peer_id
+    closed = {e["round"]: e for log in logs for e in log.of("round_closed")}
+    assert slow in closed[0]["contributors"], "a straggler inside the grace window is merged"
+    assert late not in closed[0]["contributors"], "one after the grace window is not"
+    outcomes = logs[3].of("contributed")
+    assert outcomes[0]["status"] == "late" and outcomes[0]["round"] == 0
+    logs[3].wait(lambda e: e.get("event") == "contributed" and e["status"] == "merged", ROUND_WAIT_S)
+    merged = [e for e in logs[3].of("contributed") if e["status"] == "merged"]
+    assert merged[0]["round"] == 1, "the late delta lands in the next round"
+    assert_replicas_identical(logs)
+
+
+def test_killed_synchronizer_fails_over_to_the_next_in_rendezvous_order() -> None:
+    boot = start_bootstrap()
+    # a long grace keeps round 1's window open while its synchronizer dies
+    sets = ["sync.min_quorum=2", "sync.overlap_steps=100000", "sync.max_grace_s=10"]
+    peers = start_learners(4, boot.maddrs, sets=sets, per_peer=lambda i: ["--straggle-s", "30", "--straggle-rounds", "99"] if i == 3 else [])
+    logs = [Events(p) for p in peers]
+    wait_all(logs[:3], applied(0), ROUND_WAIT_S)
+    holder = None
+    while holder is None:
+        for log in logs[:3]:
+            log.pump()
+            if any(e["round"] == 1 for e in log.of("window_open")):
+                holder = log
+                break
+    holder.peer.kill()
+    survivors = [log for log in logs if log is not holder]
+    wait_all(survivors, applied(3), ROUND_WAIT_S)
+    assert_replicas_identical(survivors, min_common=3)
+    closed_1 = [e for log in survivors for e in log.of("round_closed") if e["round"] == 1]
+    assert closed_1, "a survivor closed the round the dead synchronizer held"
+
+
+def test_late_joiner_downloads_the_state_and_converges() -> None:
+    boot = start_bootstrap()
+    first = start_learners(2, boot.maddrs, sets=["sync.min_quorum=1"])
+    logs = [Events(p) for p in first]
+    wait_all(logs, applied(2), ROUND_WAIT_S)
+    joiner = Events(start_peer_process(join_args(initial=boot.maddrs, sets=["sync.min_quorum=1"]), ready_timeout_s=240))
+    download = joiner.wait(lambda e: e.get("event") == "downloaded", ROUND_WAIT_S)
+    assert download["round"] >= 3
+    joiner.wait(applied(download["round"] + 1), ROUND_WAIT_S)
+    wait_all(logs, applied(download["round"] + 1), ROUND_WAIT_S)
+    assert_replicas_identical([*logs, joiner])
+    assert joiner.of("contributed"), "the joiner contributes"
+
+
+def test_nan_and_malformed_contributions_are_rejected_and_the_run_goes_on() -> None:
+    boot = start_bootstrap()
+    faults = {2: ["--corrupt", "nan", "--corrupt-rounds", "1"], 3: ["--corrupt", "garbage", "--corrupt-rounds", "1"]}
+    peers = start_learners(4, boot.maddrs, sets=["sync.min_quorum=2"], per_peer=lambda i: faults.get(i, []))
+    logs = [Events(p) for p in peers]
+    wait_all(logs, applied(2), ROUND_WAIT_S)
+    rejected = [e for log in logs for e in log.of("rejected")]
+    reasons = {e["peer"]: e["reason"] for e in rejected}
+    assert "non-finite" in reasons.get(peers[2].peer_id, "") or "nan" in reasons.get(peers[2].peer_id, "").lower()
+    assert peers[3].peer_id in reasons
+    round0 = [e for log in logs for e in log.of("round_closed") if e["round"] == 0]
+    assert round0 and not {peers[2].peer_id, peers[3].peer_id} & set(round0[0]["contributors"])
+    assert all(p.alive() for p in peers)
+    assert_replicas_identical(logs, min_common=2)
+
+
+def test_four_peers_started_together_form_one_swarm_and_no_step_before_quorum() -> None:
+    boot = start_bootstrap()
+    peers = start_learners(4, boot.maddrs, sets=["sync.min_quorum=4"], flags=["--max-rounds", "2"])
+    logs = [Events(p) for p in peers]
+    wait_all(logs, lambda e: e.get("event") == "stopped", ROUND_WAIT_S)
+    closed = [e for log in logs for e in log.of("round_closed")]
+    assert closed and all(len(e["contributors"]) == 4 for e in closed)
+    for log in logs:
+        assert {r for (f, r) in log.hashes()} >= {0, 1}
+    assert_replicas_identical(logs, min_common=2)

@@ -1,0 +1,45 @@
+"""Fragments: balanced, deterministic bin packing and a staggered schedule."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2pdiloco.fragments import fragments_due, partition_fragments
+from p2pdiloco.model import build_model
+
+
+def test_model_fragments_are_balanced_and_cover_every_tensor_once() -> None:
+    model = build_model("tiny")
+    sizes = {n: p.numel() for n, p in model.named_parameters()}
+    fragments = partition_fragments(sizes, 4)
+    names = [n for f in fragments for n in f]
+    assert sorted(names) == sorted(sizes) and len(names) == len(set(names))
+    loads = [sum(sizes[n] for n in f) for f in fragments]
+    assert max(loads) / min(loads) < 1.3
+    assert partition_fragments(sizes, 4) == fragments
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(min_value=1, max_value=10_000), min_size=1, max_size=40), st.integers(min_value=1, max_value=8))
+def test_greedy_packing_is_within_one_tensor_of_the_ideal(sizes_list, num) -> None:
+    if num > len(sizes_list):
+        with pytest.raises(ValueError):
+            partition_fragments({f"t{i}": s for i, s in enumerate(sizes_list)}, num)
+        return
+    sizes = {f"t{i}": s for i, s in enumerate(sizes_list)}
+    loads = [sum(sizes[n] for n in f) for f in partition_fragments(sizes, num)]
+    # Greedy LPT: the heaviest bin exceeds the average by at most the largest item.
+    assert max(loads) <= sum(sizes_list) / num + max(sizes_list)
+
+
+def test_one_fragment_is_plain_diloco() -> None:
+    assert [s for s in range(1, 101) if fragments_due(s, 25, 1)] == [25, 50, 75, 100]
+
+
+def test_fragments_are_staggered_by_h_over_f() -> None:
+    due = {s: fragments_due(s, 12, 4) for s in range(1, 40) if fragments_due(s, 12, 4)}
+    assert due == {12: [0], 15: [1], 18: [2], 21: [3], 24: [0], 27: [1], 30: [2], 33: [3], 36: [0], 39: [1]}
+    # every fragment every H steps, one fragment at a time
+    assert all(len(v) == 1 for v in due.values())
