@@ -387,11 +387,11 @@ class _IntCodec(_BlockCodec):
 # fp4 E3M0: nibble = sign << 3 | m; m = 0 is zero, m = 1..7 is absmax * 2^(m - 7).
 _FP4_LEVELS = torch.tensor([0.0] + [2.0 ** (m - 7) for m in range(1, 8)])
 _FP4_TABLE = torch.cat((_FP4_LEVELS, -_FP4_LEVELS))
-# Nearest level in linear space (least squared error): between 2^j and 2^(j+1) the midpoint
-# is 1.5 * 2^j, so scaling by 4/3 turns "nearest level" into "floor of log2", which is the
-# float's exponent field. Below 2^-7 (halfway to the smallest level) a value rounds to 0.
-_FP4_PRESCALE = 4.0 / 3.0
-_FP4_ZERO_BITS = int(np.array(_FP4_PRESCALE * 2.0**-7, dtype=np.float32).view(np.int32))
+# Nearest level in linear space (least squared error). With t = |x| / absmax <= 1, the
+# midpoint between 2^j and 2^(j+1) is 1.5 * 2^j, and the one between 0 and 2^-6 is 2^-7:
+# every decision boundary is fixed by t's exponent E and first mantissa bit M1, so the code
+# is integer arithmetic on q = 2E + M1 (no log, no search): m = clamp(E + M1 - 120, 1, 7)
+# for E >= 120 (t >= 2^-7), else 0.
 
 
 class _Fp4Codec(_BlockCodec):
@@ -404,13 +404,15 @@ class _Fp4Codec(_BlockCodec):
         return absmax.clone()
 
     def _quantize(self, rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        # |y| <= 4/3 by construction (scale >= absmax up to fp16 rounding, which clamp covers)
-        bits = (rows * (_safe_inverse(scale) * _FP4_PRESCALE).unsqueeze(1)).view(torch.int32)
-        sign = (bits >> 28).bitwise_and_(8)  # the sign bit, moved to bit 3
-        bits.bitwise_and_(0x7FFFFFFF)  # |y|, whose float bits are ordered like its value
-        zero = bits < _FP4_ZERO_BITS
-        level = (bits >> 23).sub_(120).clamp_(1, 7)  # exponent field -> m in 1..7
-        return level.masked_fill_(zero, 0).bitwise_or_(sign).to(torch.int8)
+        # t < 2 always (the scale is absmax up to fp16 rounding), so E <= 127 and q fits a byte
+        bits = (rows * _safe_inverse(scale).unsqueeze(1)).view(torch.int32)
+        low = (bits >> 22).to(torch.int16)  # ..., sign, E7..E0, M1 (byte-wide ops from here)
+        q = low.to(torch.uint8)  # E6..E0, M1 = 2E + M1
+        sign = (low >> 6).to(torch.uint8).bitwise_and_(8)  # the sign bit, moved to bit 3
+        nonzero = (q >> 4).add_(1).bitwise_right_shift_(4)  # 1 iff q >= 240, i.e. E >= 120
+        level = (q + 1).bitwise_right_shift_(1).sub_(120).clamp_(1, 7)  # E + M1 - 120
+        # uint8 ops throughout: comparisons and int32 masks cost 3-10x more on CPU
+        return level.mul_(nonzero).bitwise_or_(sign).view(torch.int8)
 
     def _dequantize(self, codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
         torch.mul(_FP4_TABLE[codes.long()], scale.unsqueeze(1), out=out)
@@ -446,16 +448,16 @@ class _TopkCodec(Codec):
         return f"TopkCodec(fraction={self.fraction})"
 
     def _top_indices(self, flat: torch.Tensor, k: int) -> torch.Tensor:
-        """Indices of the k largest |x| (any order), exactly as a full sort would pick them."""
+        """Sorted indices of the k largest |x|, exactly the set a full sort would pick."""
         n = flat.numel()
         if n <= _TOPK_DIRECT_MAX or k * 4 > n:
-            return torch.topk(flat.abs(), k, sorted=False).indices
-        # A full topk over 10^8 elements is ~10x slower than a pass, so estimate a threshold
-        # on a strided sample slightly below the k-th largest, keep candidates above it and
-        # run the exact topk on those; fall back to the full one when too few pass.
+            return torch.sort(torch.topk(flat.abs(), k, sorted=False).indices).values
+        # A full topk over 10^8 elements costs ~10 passes, so estimate a threshold on a
+        # strided sample a little below the k-th largest and keep the candidates above it
+        # (nonzero() returns them in order); fall back to the full topk when too few pass.
         stride = n // _TOPK_DIRECT_MAX
         sample = flat[::stride].abs()
-        rank = min(sample.numel(), int(k / n * sample.numel() * 1.5) + 16)
+        rank = min(sample.numel(), int(k / n * sample.numel() * 1.25) + 16)
         threshold = torch.topk(sample, rank, sorted=False).values.amin()
         candidates = []
         for start in range(0, n, _CHUNK_ELEMENTS):
@@ -463,14 +465,22 @@ class _TopkCodec(Codec):
             candidates.append(torch.nonzero(chunk.abs() >= threshold).view(-1) + start)
         index = torch.cat(candidates)
         if index.numel() < k:
-            return torch.topk(flat.abs(), k, sorted=False).indices
-        return index[torch.topk(flat[index].abs(), k, sorted=False).indices]
+            return torch.sort(torch.topk(flat.abs(), k, sorted=False).indices).values
+        # Select among candidates by the k-th largest value (quickselect) instead of topk
+        # + sort: a mask keeps the candidates in index order. Ties at the k-th value are
+        # taken first come, first served, so exactly k are kept.
+        magnitude = flat[index].abs()
+        kth = torch.kthvalue(magnitude, magnitude.numel() - k + 1).values
+        keep = magnitude > kth
+        ties = torch.nonzero(magnitude == kth).view(-1)
+        keep[ties[: k - int(keep.sum())]] = True
+        return index[keep]
 
     def encode(self, tensor: torch.Tensor) -> EncodedTensor:
         flat = _flat_fp32(tensor)
         n = flat.numel()
         k = min(n, math.ceil(self.fraction * n))
-        index = torch.sort(self._top_indices(flat, k)).values if k else flat.new_empty(0).long()
+        index = self._top_indices(flat, k) if k else flat.new_empty(0).long()
         values = flat[index]
         scale = values.abs().amax() / 127.0 if k else torch.tensor(0.0)
         codes = (values * _safe_inverse(scale)).round_().clamp_(-127, 127).to(torch.int8)
