@@ -201,6 +201,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         straggle_rounds=args.straggle_rounds,
         corrupt=args.corrupt or "",
         corrupt_rounds=args.corrupt_rounds,
+        torch_threads=args.threads,
     )
     daemon = PeerDaemon(config, options, make_transport_for(options))
 
@@ -237,9 +238,15 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
         try:
             maddrs = transport.visible_maddrs()
             if args.events:
-                print(json.dumps({"ready": True, "peer_id": transport.peer_id, "maddrs": maddrs}), flush=True)
+                print(
+                    json.dumps({"ready": True, "peer_id": transport.peer_id, "maddrs": maddrs}),
+                    flush=True,
+                )
             else:
-                print("# bootstrap node is up; put these lines in bootstrap_peers/<run>.txt", flush=True)
+                print(
+                    "# bootstrap node is up; put these lines in bootstrap_peers/<run>.txt",
+                    flush=True,
+                )
                 for maddr in maddrs:
                     print(maddr, flush=True)
             await stop.wait()
@@ -307,20 +314,36 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--max-rounds", type=int, help="leave once every fragment reached this round")
     join.add_argument("--max-steps", type=int, help="leave after this many inner steps")
     join.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch CPU threads (0: default; 1 when peers share a machine)",
+    )
+    join.add_argument(
         "--events", action="store_true", help="print one JSON event per line on stdout"
     )
     faults = join.add_argument_group("fault injection (tests and benchmarks)")
-    faults.add_argument("--straggle-s", type=float, default=0.0, help="delay contributions to early rounds (s)")
-    faults.add_argument("--straggle-rounds", type=int, default=0, help="rounds affected by --straggle-s")
-    faults.add_argument("--corrupt", choices=["nan", "garbage"], help="send corrupt contributions to early rounds")
-    faults.add_argument("--corrupt-rounds", type=int, default=0, help="rounds affected by --corrupt")
+    faults.add_argument(
+        "--straggle-s", type=float, default=0.0, help="delay contributions to early rounds (s)"
+    )
+    faults.add_argument(
+        "--straggle-rounds", type=int, default=0, help="rounds affected by --straggle-s"
+    )
+    faults.add_argument(
+        "--corrupt", choices=["nan", "garbage"], help="send corrupt contributions to early rounds"
+    )
+    faults.add_argument(
+        "--corrupt-rounds", type=int, default=0, help="rounds affected by --corrupt"
+    )
     join.set_defaults(handler=cmd_join)
 
     bootstrap = sub.add_parser("bootstrap", help="run a DHT-only node and print its multiaddrs")
     bootstrap.add_argument("--host", default="127.0.0.1", help="listen address")
     bootstrap.add_argument("--port", type=int, default=0, help="listen port (0: any)")
     bootstrap.add_argument("--identity", type=Path, help="Ed25519 key file (created if missing)")
-    bootstrap.add_argument("--initial-peers", nargs="*", metavar="MULTIADDR", help="other bootstrap nodes")
+    bootstrap.add_argument(
+        "--initial-peers", nargs="*", metavar="MULTIADDR", help="other bootstrap nodes"
+    )
     bootstrap.add_argument("--events", action="store_true", help="print a JSON readiness line")
     bootstrap.set_defaults(handler=cmd_bootstrap)
 

@@ -19,6 +19,8 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import torch
+
 from p2pdiloco import __version__, compress, messages, wire
 from p2pdiloco.config import RunConfig
 from p2pdiloco.data import Corpus, heldout_batches, learner_batches
@@ -70,6 +72,9 @@ class PeerOptions:
     """Print one JSON line per event on stdout (tests and the demo read these)."""
     startup_timeout_s: float = 120.0
     """Bound on joining the DHT."""
+    torch_threads: int = 0
+    """Threads for torch's CPU kernels (0: torch's default). Several peers on one machine
+    should use 1 each, or their busy-waiting thread pools starve one another."""
     straggle_s: float = 0.0
     """Fault injection (tests, benchmarks): delay contributions to early rounds by this much."""
     straggle_rounds: int = 0
@@ -155,6 +160,8 @@ class PeerDaemon:
     def _build(self) -> None:
         config, options = self.config, self.options
         device = resolve_device(config.train.device)
+        if options.torch_threads > 0:
+            torch.set_num_threads(options.torch_threads)
         model = build_model(
             config.model.preset, seed=config.train.seed, max_seq_len=config.model.seq_len
         )
@@ -265,8 +272,16 @@ class PeerDaemon:
     def submit(self, fragment: int, target_round: int, frame: bytes) -> Future[Outcome]:
         """Called from the training thread: contribute in the background."""
         return asyncio.run_coroutine_threadsafe(
-            self.link.contribute(fragment, target_round, frame), self.loop
+            self._contribute(fragment, target_round, frame), self.loop
         )
+
+    async def _contribute(self, fragment: int, target_round: int, frame: bytes) -> Outcome:
+        options = self.options
+        if options.straggle_s > 0 and target_round < options.straggle_rounds:
+            await asyncio.sleep(options.straggle_s)  # injected latency (no netem here)
+        if options.corrupt and target_round < options.corrupt_rounds:
+            frame = corrupt_frame(frame, options.corrupt)
+        return await self.link.contribute(fragment, target_round, frame)
 
     def members(self) -> dict[str, Heartbeat]:
         """This peer's current view of the live membership (itself included)."""
@@ -484,7 +499,16 @@ def corrupt_frame(frame: bytes, kind: str) -> bytes:
     tensors[name].view(-1)[0] = float("nan")
     fp32 = compress.make_codec("fp32")
     encoded = {**msg.tensors, name: fp32.encode(tensors[name])}
-    return wire.encode_message(wire.Message(kind=msg.kind, run=msg.run, round=msg.round, fragment=msg.fragment, meta=msg.meta, tensors=encoded))
+    return wire.encode_message(
+        wire.Message(
+            kind=msg.kind,
+            run=msg.run,
+            round=msg.round,
+            fragment=msg.fragment,
+            meta=msg.meta,
+            tensors=encoded,
+        )
+    )
 
 
 def make_transport_for(options: PeerOptions) -> Transport:

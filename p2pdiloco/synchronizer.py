@@ -192,7 +192,14 @@ class Synchronizer:
         if reason:
             return self._reject(target, fragment, reason, caller)
         if (target, fragment) not in self.windows and await self._already_closed(target, fragment):
-            return messages.reply(self.run, target, fragment, self.peer_id, messages.LATE, reason="round already closed elsewhere")
+            return messages.reply(
+                self.run,
+                target,
+                fragment,
+                self.peer_id,
+                messages.LATE,
+                reason="round already closed elsewhere",
+            )
         window = self._window(target, fragment)
         if caller in window.contributions:
             return self._reject(target, fragment, "already contributed to this window", caller)

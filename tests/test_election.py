@@ -13,9 +13,15 @@ PEERS = [f"12D3KooPeer{i}" for i in range(6)]
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.integers(min_value=0, max_value=10**6), st.integers(min_value=0, max_value=32), st.permutations(PEERS))
+@given(
+    st.integers(min_value=0, max_value=10**6),
+    st.integers(min_value=0, max_value=32),
+    st.permutations(PEERS),
+)
 def test_order_does_not_depend_on_how_members_are_listed(round_id, fragment, peers) -> None:
-    assert synchronizer_order("run", round_id, fragment, peers) == synchronizer_order("run", round_id, fragment, PEERS)
+    assert synchronizer_order("run", round_id, fragment, peers) == synchronizer_order(
+        "run", round_id, fragment, PEERS
+    )
 
 
 def test_role_rotates_over_rounds_and_spreads_over_fragments() -> None:
@@ -28,7 +34,9 @@ def test_role_rotates_over_rounds_and_spreads_over_fragments() -> None:
 def test_a_leaving_peer_only_moves_its_own_rounds() -> None:
     before = {r: elect_synchronizer("run", r, 0, PEERS) for r in range(300)}
     gone = PEERS[2]
-    after = {r: elect_synchronizer("run", r, 0, [p for p in PEERS if p != gone]) for r in range(300)}
+    after = {
+        r: elect_synchronizer("run", r, 0, [p for p in PEERS if p != gone]) for r in range(300)
+    }
     for r in before:
         if before[r] != gone:
             assert after[r] == before[r]

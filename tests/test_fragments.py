@@ -22,7 +22,10 @@ def test_model_fragments_are_balanced_and_cover_every_tensor_once() -> None:
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.integers(min_value=1, max_value=10_000), min_size=1, max_size=40), st.integers(min_value=1, max_value=8))
+@given(
+    st.lists(st.integers(min_value=1, max_value=10_000), min_size=1, max_size=40),
+    st.integers(min_value=1, max_value=8),
+)
 def test_greedy_packing_is_within_one_tensor_of_the_ideal(sizes_list, num) -> None:
     if num > len(sizes_list):
         with pytest.raises(ValueError):
@@ -40,6 +43,17 @@ def test_one_fragment_is_plain_diloco() -> None:
 
 def test_fragments_are_staggered_by_h_over_f() -> None:
     due = {s: fragments_due(s, 12, 4) for s in range(1, 40) if fragments_due(s, 12, 4)}
-    assert due == {12: [0], 15: [1], 18: [2], 21: [3], 24: [0], 27: [1], 30: [2], 33: [3], 36: [0], 39: [1]}
+    assert due == {
+        12: [0],
+        15: [1],
+        18: [2],
+        21: [3],
+        24: [0],
+        27: [1],
+        30: [2],
+        33: [3],
+        36: [0],
+        39: [1],
+    }
     # every fragment every H steps, one fragment at a time
     assert all(len(v) == 1 for v in due.values())

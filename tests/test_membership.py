@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import msgpack
 
-from p2pdiloco.membership import PROTOCOL_VERSION, Heartbeat, decode_heartbeat, learners, live_members, synchronizer_candidates
+from p2pdiloco.membership import (
+    PROTOCOL_VERSION,
+    Heartbeat,
+    decode_heartbeat,
+    learners,
+    live_members,
+    synchronizer_candidates,
+)
 
 
 def test_round_trip() -> None:

@@ -11,16 +11,25 @@ from p2pdiloco.state import GlobalState
 
 def _params() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return {"a": torch.randn(4, 3, generator=g), "b": torch.randn(5, generator=g), "c": torch.randn(2, 2, generator=g)}
+    return {
+        "a": torch.randn(4, 3, generator=g),
+        "b": torch.randn(5, generator=g),
+        "c": torch.randn(2, 2, generator=g),
+    }
 
 
 def test_replicas_applying_the_same_updates_are_bit_identical() -> None:
-    one, two = GlobalState(_params(), [["a", "b"], ["c"]], OuterConfig()), GlobalState(_params(), [["a", "b"], ["c"]], OuterConfig())
+    one, two = (
+        GlobalState(_params(), [["a", "b"], ["c"]], OuterConfig()),
+        GlobalState(_params(), [["a", "b"], ["c"]], OuterConfig()),
+    )
     for r in range(3):
         grad = {"a": torch.full((4, 3), 0.1 * r), "b": torch.ones(5)}
         assert one.apply_update(0, r, grad) == two.apply_update(0, r, grad)
     assert one.rounds == [3, 0]
-    assert one.fragment_hash(0) == two.fragment_hash(0) and one.fragment_hash(1) == two.fragment_hash(1)
+    assert one.fragment_hash(0) == two.fragment_hash(0) and one.fragment_hash(
+        1
+    ) == two.fragment_hash(1)
 
 
 def test_updates_apply_only_in_order_and_only_to_their_fragment() -> None:

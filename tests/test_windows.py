@@ -24,11 +24,38 @@ def test_quorum_counts_learners_and_optionally_tokens() -> None:
 
 def test_grace_is_gamma_times_the_slack_the_overlap_leaves_clamped() -> None:
     # tau * step = 2 * 1.0 s; quorum took 0.5 s, sync 0.3 s: slack 1.2 s, gamma 0.5 -> 0.6 s
-    assert grace_window_s(step_time_s=1.0, overlap_steps=2, time_to_quorum_s=0.5, sync_time_s=0.3, gamma=0.5, max_grace_s=5) == pytest.approx(0.6)
+    assert grace_window_s(
+        step_time_s=1.0,
+        overlap_steps=2,
+        time_to_quorum_s=0.5,
+        sync_time_s=0.3,
+        gamma=0.5,
+        max_grace_s=5,
+    ) == pytest.approx(0.6)
     # no slack left: no grace (K=1 without slack merges at once)
-    assert grace_window_s(step_time_s=1.0, overlap_steps=2, time_to_quorum_s=3.0, sync_time_s=0.3, gamma=0.5, max_grace_s=5) == 0.0
+    assert (
+        grace_window_s(
+            step_time_s=1.0,
+            overlap_steps=2,
+            time_to_quorum_s=3.0,
+            sync_time_s=0.3,
+            gamma=0.5,
+            max_grace_s=5,
+        )
+        == 0.0
+    )
     # bounded
-    assert grace_window_s(step_time_s=100.0, overlap_steps=2, time_to_quorum_s=0.0, sync_time_s=0.0, gamma=0.9, max_grace_s=5) == 5.0
+    assert (
+        grace_window_s(
+            step_time_s=100.0,
+            overlap_steps=2,
+            time_to_quorum_s=0.0,
+            sync_time_s=0.0,
+            gamma=0.9,
+            max_grace_s=5,
+        )
+        == 5.0
+    )
 
 
 def test_window_closes_after_grace_or_at_once_when_everyone_arrived() -> None:

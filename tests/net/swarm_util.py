@@ -20,9 +20,11 @@ TINY_RUN = [
 ]
 
 
-def join_args(*, initial: list[str] | None = None, sets: list[str] = (), flags: list[str] = ()) -> list[str]:
+def join_args(
+    *, initial: list[str] | None = None, sets: list[str] = (), flags: list[str] = ()
+) -> list[str]:
     """Arguments of `python -m p2pdiloco join` for a tiny test swarm."""
-    args = ["-m", "p2pdiloco", "join", "--events", "--heartbeat-s", "1"]
+    args = ["-m", "p2pdiloco", "join", "--events", "--heartbeat-s", "1", "--threads", "1"]
     for item in [*TINY_RUN, *sets]:
         args += ["--set", item]
     if initial:
@@ -34,9 +36,14 @@ def start_bootstrap() -> PeerProcess:
     return start_peer_process(["-m", "p2pdiloco", "bootstrap", "--events"], ready_timeout_s=180)
 
 
-def start_learners(num: int, initial: list[str], sets: list[str] = (), flags: list[str] = (), per_peer=None) -> list[PeerProcess]:
+def start_learners(
+    num: int, initial: list[str], sets: list[str] = (), flags: list[str] = (), per_peer=None
+) -> list[PeerProcess]:
     """Start `num` learners at the same instant; `per_peer(i)` adds flags for learner i."""
-    many = [join_args(initial=initial, sets=sets, flags=[*flags, *(per_peer(i) if per_peer else [])]) for i in range(num)]
+    many = [
+        join_args(initial=initial, sets=sets, flags=[*flags, *(per_peer(i) if per_peer else [])])
+        for i in range(num)
+    ]
     return start_peer_processes(many, ready_timeout_s=240)
 
 
@@ -64,7 +71,9 @@ class Events:
             checked = len(self.seen)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"{self.peer.name}: no matching event in {timeout_s}s; last: {self.seen[-5:]}\n{self.peer.stderr_tail(3000)}")
+                raise TimeoutError(
+                    f"{self.peer.name}: no matching event in {timeout_s}s; last: {self.seen[-5:]}\n{self.peer.stderr_tail(3000)}"
+                )
             try:
                 self.seen.append(self.peer.next_event(min(remaining, 1.0)))
             except TimeoutError:
@@ -88,4 +97,6 @@ def wait_all(logs: list[Events], match: Callable[[dict[str, Any]], bool], timeou
 
 
 def applied(round_id: int, fragment: int = 0) -> Callable[[dict[str, Any]], bool]:
-    return lambda e: e.get("event") == "applied" and e["fragment"] == fragment and e["round"] >= round_id
+    return lambda e: (
+        e.get("event") == "applied" and e["fragment"] == fragment and e["round"] >= round_id
+    )
