@@ -202,6 +202,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         corrupt=args.corrupt or "",
         corrupt_rounds=args.corrupt_rounds,
         torch_threads=args.threads,
+        eval_batches=args.eval_batches,
     )
     daemon = PeerDaemon(config, options, make_transport_for(options))
 
@@ -313,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--heartbeat-s", type=float, default=2.0, help="seconds between heartbeats")
     join.add_argument("--max-rounds", type=int, help="leave once every fragment reached this round")
     join.add_argument("--max-steps", type=int, help="leave after this many inner steps")
+    join.add_argument(
+        "--eval-batches", type=int, default=2, help="held-out batches evaluated each round (0: none)"
+    )
     join.add_argument(
         "--threads",
         type=int,

@@ -66,6 +66,12 @@ class LearnerProgress:
     bytes_sent: int = 0
     bytes_received: int = 0
     status: str = "starting"
+    train_s: float = 0.0
+    """Seconds spent inside inner steps."""
+    loop_s: float = 0.0
+    """Seconds the loop ran (inner steps plus everything else on this thread)."""
+    latencies_s: list[float] = field(default_factory=list)
+    """Send-to-result time of each contribution that got a result."""
 
 
 class Learner:
@@ -114,11 +120,13 @@ class Learner:
         """Train until `stop` is set, fragment 0 reached `max_rounds`, or `max_steps`."""
         sync = self.config.sync
         self.progress.status = "training"
+        loop_started = time.monotonic()
         while not stop.is_set():
             # every step
             started = time.monotonic()
             result = self.trainer.step(self.batches)
             self._count(result.tokens, time.monotonic() - started, result.loss)
+            self.progress.train_s += time.monotonic() - started
 
             # ship the fragments that are due
             for fragment in fragments_due(self.progress.step, sync.inner_steps, sync.num_fragments):
@@ -144,6 +152,7 @@ class Learner:
                 break
             if max_steps is not None and self.progress.step >= max_steps:
                 break
+        self.progress.loop_s = time.monotonic() - loop_started
         self.progress.status = "leaving"
 
     def _count(self, tokens: int, step_time_s: float, loss: float) -> None:
@@ -222,6 +231,8 @@ class Learner:
                 log.warning("contribution failed fragment=%d error=%r", fragment, exc)
                 continue
             self.progress.bytes_received += outcome.bytes_received
+            if outcome.status in (MERGED, LATE):
+                self.progress.latencies_s.append(outcome.latency_s)
             self.on_event(
                 {
                     "event": "contributed",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,6 +41,8 @@ class Outcome:
     reason: str = ""
     bytes_sent: int = 0
     bytes_received: int = 0
+    latency_s: float = 0.0
+    """From handing the delta to the network to holding the round's result, seconds."""
 
 
 class LearnerLink:
@@ -77,6 +80,7 @@ class LearnerLink:
         # time; only a dead or frozen one runs past this (then: failover).
         timeout_s = self.config.sync.round_deadline_s + self.config.sync.max_grace_s + 30.0
         tried: list[str] = []
+        started = time.monotonic()
         for candidate in self.candidates(target_round, fragment)[:MAX_CANDIDATES]:
             tried.append(candidate)
             try:
@@ -123,6 +127,7 @@ class LearnerLink:
                 str(reply.meta.get("reason", "")),
                 len(frame),
                 len(raw),
+                time.monotonic() - started,
             )
         return Outcome(
             "unreachable", target_round, fragment, reason=f"tried {len(tried)} synchronizers"

@@ -149,9 +149,29 @@ class PeerDaemon:
             )
             self.learner.run(self.stop_event, self.options.max_rounds, self.options.max_steps)
             self._finish_in_flight()
+            self.emit({"event": "summary", **self.summary()})
             return 0
         finally:
             self._shutdown()
+
+    def summary(self) -> dict:
+        """This peer's totals, for the demo and the benchmarks."""
+        p = self.learner.progress
+        return {
+            "peer_id": self.transport.peer_id,
+            "steps": p.step,
+            "tokens": p.tokens,
+            "train_s": p.train_s,
+            "loop_s": p.loop_s,
+            "rounds": list(self.state.rounds),
+            "rounds_contributed": p.rounds_contributed,
+            "tokens_contributed": p.tokens_contributed,
+            "bytes_sent": p.bytes_sent,
+            "bytes_received": p.bytes_received + self.link.bytes_received,
+            "latencies_s": p.latencies_s,
+            "eval_loss": p.eval_loss,
+            "hashes": [self.state.fragment_hash(f) for f in range(self.state.num_fragments)],
+        }
 
     def stop(self) -> None:
         """Ask the peer to leave (safe from signal handlers and other threads)."""
