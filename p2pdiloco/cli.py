@@ -258,6 +258,221 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- demo --------------------------------------------------------------------------------
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """A local swarm: a bootstrap node and N learners on 127.0.0.1, with the dashboard."""
+    from rich.console import Console
+
+    from p2pdiloco.demo import DEMO_RUN, LocalSwarm
+
+    extra = [f"model.preset={json.dumps(args.model)}"] if args.model else []
+    sets = [*DEMO_RUN, *args.overrides, *extra]
+    config = load_config(args.config, sets)  # validate here: one clear line, before any process
+    if args.peers < 1 or args.rounds < 1:
+        raise ConfigError("--peers and --rounds must be >= 1")
+    console = Console()
+    import signal
+
+    def on_term(_signum, _frame) -> None:
+        raise KeyboardInterrupt  # SIGTERM stops the demo like Ctrl-C: every child goes too
+
+    signal.signal(signal.SIGTERM, on_term)
+    swarm = LocalSwarm(
+        args.peers, sets if args.config is None else [*args.overrides, *extra], args.rounds
+    )
+    if args.config is not None:
+        swarm.sets = [
+            f"{section}.{key}={json.dumps(value)}"
+            for section, values in _config_items(config)
+            for key, value in values
+        ]
+    try:
+        with console.status(f"starting a bootstrap node and {args.peers} learners on 127.0.0.1 …"):
+            swarm.start()
+        if args.no_dashboard:
+            _follow_plain(swarm, console)
+        else:
+            _follow_dashboard(swarm, config.sync.num_fragments)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: stopping every peer…[/]")
+        swarm.shutdown()
+        return EXIT_INTERRUPTED
+    finally:
+        swarm.shutdown()
+    summary = swarm.summary()
+    _print_demo_summary(console, summary)
+    if args.json:
+        _write_json(args.json, summary)
+    return 0 if summary["rounds_completed"] >= 1 else 1
+
+
+def _config_items(config: RunConfig):
+    from p2pdiloco.config import config_to_dict
+
+    return [(section, list(values.items())) for section, values in config_to_dict(config).items()]
+
+
+def _follow_plain(swarm, console) -> None:
+    """Without the dashboard: one line per closed round, until every learner left."""
+    import time
+
+    printed: set[tuple[int, int]] = set()
+    while swarm.running():
+        for child in swarm.learners:
+            for event in child.of("round_closed"):
+                key = (event["fragment"], event["round"])
+                if key not in printed:
+                    printed.add(key)
+                    console.print(
+                        f"round {event['round'] + 1} fragment {event['fragment']}: {len(event['contributors'])} deltas merged by {child.name}, grace {event['grace_s']:.2f}s"
+                    )
+            for event in child.of("eval"):
+                key = (-1, id(event))
+                if key not in printed:
+                    printed.add(key)
+        time.sleep(0.5)  # polling the children's event lists, not synchronising
+
+
+def _follow_dashboard(swarm, num_fragments: int) -> None:
+    """The live dashboard, fed by an observer on the swarm's DHT, until every learner left."""
+    import asyncio
+
+    from rich.live import Live
+
+    from p2pdiloco.dashboard import Observer, render_dashboard
+    from p2pdiloco.peer import PeerOptions, make_transport_for
+
+    async def watch() -> None:
+        transport = make_transport_for(
+            PeerOptions(initial_peers=tuple(swarm.bootstrap_maddrs), client_mode=True)
+        )
+        await transport.start()
+        try:
+            observer = Observer(transport, "local", num_fragments)
+            with Live(render_dashboard(await observer.refresh()), refresh_per_second=2) as live:
+                while swarm.running():
+                    await asyncio.sleep(1.0)  # the refresh period of the screen
+                    live.update(render_dashboard(await observer.refresh()))
+        finally:
+            await transport.shutdown()
+
+    asyncio.run(watch())
+
+
+def _print_demo_summary(console, summary: dict) -> None:
+    from rich.table import Table
+
+    from p2pdiloco.dashboard import human_bytes, short
+
+    table = Table(title=f"demo: {summary['peers']} peers, {summary['rounds_completed']} rounds")
+    for name in (
+        "peer",
+        "steps",
+        "tokens",
+        "rounds contributed",
+        "tokens contributed",
+        "bytes sent",
+    ):
+        table.add_column(name, justify="left" if name == "peer" else "right")
+    for peer in summary["per_peer"]:
+        table.add_row(
+            short(peer["peer_id"]),
+            str(peer["steps"]),
+            f"{peer['tokens']:,}",
+            str(peer["rounds_contributed"]),
+            f"{peer['tokens_contributed']:,}",
+            human_bytes(peer["bytes_sent"]),
+        )
+    console.print(table)
+    start, end = summary["eval_loss_start"], summary["eval_loss_end"]
+    if start is not None and end is not None:
+        console.print(
+            f"held-out loss {start:.4f} -> {end:.4f}   bytes sent {human_bytes(summary['bytes_sent'])}   replicas identical: {summary['replicas_identical']}"
+        )
+
+
+# --- dashboard and status ----------------------------------------------------------------
+
+
+def _initial_peers(args: argparse.Namespace) -> list[str]:
+    if args.initial_peers:
+        return list(args.initial_peers)
+    path = args.bootstrap_file or Path("bootstrap_peers") / f"{args.run}.txt"
+    return read_bootstrap_file(path)
+
+
+async def _observe_once(args: argparse.Namespace, num_fragments: int):
+    from p2pdiloco.dashboard import Observer
+    from p2pdiloco.peer import PeerOptions, make_transport_for
+
+    transport = make_transport_for(
+        PeerOptions(
+            initial_peers=tuple(_initial_peers(args)),
+            client_mode=True,
+            startup_timeout_s=args.timeout_s,
+        )
+    )
+    await transport.start()
+    return transport, Observer(transport, args.run, num_fragments)
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    """Watch a run live: joins the DHT as a client-mode observer, never trains."""
+    import asyncio
+
+    from rich.live import Live
+
+    from p2pdiloco.dashboard import render_dashboard
+
+    config = config_from_args(args)
+
+    async def watch() -> None:
+        transport, observer = await _observe_once(args, config.sync.num_fragments)
+        try:
+            with Live(
+                render_dashboard(await observer.refresh()), refresh_per_second=2, screen=False
+            ) as live:
+                while True:
+                    await asyncio.sleep(args.refresh_s)  # the screen's refresh period
+                    live.update(render_dashboard(await observer.refresh()))
+        finally:
+            await transport.shutdown()
+
+    try:
+        asyncio.run(watch())
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print the run's peers and rounds once (JSON with --json)."""
+    import asyncio
+
+    from rich.console import Console
+
+    from p2pdiloco.dashboard import render_dashboard
+
+    config = config_from_args(args)
+
+    async def once():
+        transport, observer = await _observe_once(args, config.sync.num_fragments)
+        try:
+            snapshot = await observer.refresh()
+            return snapshot
+        finally:
+            await transport.shutdown()
+
+    snapshot = asyncio.run(once())
+    if args.json:
+        print(json.dumps(snapshot.to_json(), indent=2))
+    else:
+        Console().print(render_dashboard(snapshot))
+    return 0
+
+
 # --- config ------------------------------------------------------------------------------
 
 
@@ -315,7 +530,10 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--max-rounds", type=int, help="leave once every fragment reached this round")
     join.add_argument("--max-steps", type=int, help="leave after this many inner steps")
     join.add_argument(
-        "--eval-batches", type=int, default=2, help="held-out batches evaluated each round (0: none)"
+        "--eval-batches",
+        type=int,
+        default=2,
+        help="held-out batches evaluated each round (0: none)",
     )
     join.add_argument(
         "--threads",
@@ -350,6 +568,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bootstrap.add_argument("--events", action="store_true", help="print a JSON readiness line")
     bootstrap.set_defaults(handler=cmd_bootstrap)
+
+    demo = sub.add_parser("demo", help="a local swarm on this machine with the live dashboard")
+    _add_config_options(demo)
+    demo.add_argument("--peers", type=int, default=3, help="learner peers to start (default 3)")
+    demo.add_argument("--rounds", type=int, default=5, help="outer rounds to train (default 5)")
+    demo.add_argument("--model", help="model preset: tiny, small, 150m, 1b (default small)")
+    demo.add_argument("--no-dashboard", action="store_true", help="plain progress lines instead")
+    demo.add_argument("--json", type=Path, help="write the summary to this JSON file")
+    demo.set_defaults(handler=cmd_demo)
+
+    for name, handler, help_text in [
+        ("dashboard", cmd_dashboard, "watch a run live (client-mode observer, no training)"),
+        ("status", cmd_status, "print a run's peers and rounds once"),
+    ]:
+        watcher = sub.add_parser(name, help=help_text)
+        _add_config_options(watcher)
+        watcher.add_argument(
+            "--run", default="local", help="run name (reads bootstrap_peers/<run>.txt)"
+        )
+        watcher.add_argument(
+            "--initial-peers", nargs="*", metavar="MULTIADDR", help="multiaddrs to bootstrap from"
+        )
+        watcher.add_argument(
+            "--bootstrap-file", type=Path, help="bootstrap file (default bootstrap_peers/<run>.txt)"
+        )
+        watcher.add_argument(
+            "--timeout-s", type=float, default=60.0, help="give up joining the DHT after this long"
+        )
+        if name == "dashboard":
+            watcher.add_argument(
+                "--refresh-s", type=float, default=1.0, help="seconds between screen refreshes"
+            )
+        else:
+            watcher.add_argument("--json", action="store_true", help="machine-readable output")
+        watcher.set_defaults(handler=handler)
 
     config = sub.add_parser("config", help="print the effective run config as TOML")
     _add_config_options(config)

@@ -115,11 +115,27 @@ class Learner:
     # --- the loop -----------------------------------------------------------------------
 
     def run(
-        self, stop: threading.Event, max_rounds: int | None = None, max_steps: int | None = None
+        self,
+        stop: threading.Event,
+        max_rounds: int | None = None,
+        max_steps: int | None = None,
+        rounds_reached: Callable[[], list[int]] | None = None,
     ) -> None:
-        """Train until `stop` is set, fragment 0 reached `max_rounds`, or `max_steps`."""
+        """Train until `stop` is set, every fragment reached `max_rounds` (by our replica or,
+        through `rounds_reached`, by the swarm's records), or `max_steps` inner steps."""
+        rounds_reached = rounds_reached or (lambda: list(self.state.rounds))
         sync = self.config.sync
         self.progress.status = "training"
+        if self.eval_set:
+            self.progress.eval_loss = self.evaluate_global()
+            self.on_event(
+                {
+                    "event": "eval",
+                    "rounds": list(self.state.rounds),
+                    "eval_loss": self.progress.eval_loss,
+                    "step": 0,
+                }
+            )
         loop_started = time.monotonic()
         while not stop.is_set():
             # every step
@@ -148,7 +164,7 @@ class Learner:
                 )
 
             # stop
-            if max_rounds is not None and min(self.state.rounds) >= max_rounds:
+            if max_rounds is not None and min(rounds_reached()) >= max_rounds:
                 break
             if max_steps is not None and self.progress.step >= max_steps:
                 break

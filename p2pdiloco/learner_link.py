@@ -221,7 +221,6 @@ class LearnerLink:
                     fragment,
                     current,
                 )
-                self.diverged.add(fragment)
                 return False
             if not self._apply_now(fragment, current, update):
                 return False

@@ -109,14 +109,20 @@ class PeerDaemon:
         self.limits = wire.WireLimits()
         self._tasks: list[asyncio.Task] = []
         self._leaving = False
+        self._stdout_closed = False
+        self.swarm_rounds: list[int] = []
+        """Per fragment, the round the swarm has reached according to the round records."""
 
     # --- events -------------------------------------------------------------------------
 
     def emit(self, event: dict) -> None:
         """One JSON line per event on stdout (when enabled) and a log line."""
-        if self.options.events:
-            sys.stdout.write(json.dumps({"t": round(time.time(), 3), **event}) + "\n")
-            sys.stdout.flush()
+        if self.options.events and not self._stdout_closed:
+            try:
+                sys.stdout.write(json.dumps({"t": round(time.time(), 3), **event}) + "\n")
+                sys.stdout.flush()
+            except (BrokenPipeError, ValueError, OSError):
+                self._stdout_closed = True  # whoever read our events is gone; keep running
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -147,7 +153,12 @@ class PeerDaemon:
                     ],
                 }
             )
-            self.learner.run(self.stop_event, self.options.max_rounds, self.options.max_steps)
+            self.learner.run(
+                self.stop_event,
+                self.options.max_rounds,
+                self.options.max_steps,
+                self.rounds_reached,
+            )
             self._finish_in_flight()
             self.emit({"event": "summary", **self.summary()})
             return 0
@@ -172,6 +183,14 @@ class PeerDaemon:
             "eval_loss": p.eval_loss,
             "hashes": [self.state.fragment_hash(f) for f in range(self.state.num_fragments)],
         }
+
+    def rounds_reached(self) -> list[int]:
+        """Per fragment, the furthest round known: our replica's or the swarm's records'."""
+        ours = list(self.state.rounds)
+        return [
+            max(r, self.swarm_rounds[f] if f < len(self.swarm_rounds) else 0)
+            for f, r in enumerate(ours)
+        ]
 
     def stop(self) -> None:
         """Ask the peer to leave (safe from signal handlers and other threads)."""
@@ -386,6 +405,9 @@ class PeerDaemon:
                 r in ours and ours[r] != rec.hash for r, rec in records.items()
             )
             latest = max(records)
+            if len(self.swarm_rounds) < self.state.num_fragments:
+                self.swarm_rounds = [0] * self.state.num_fragments
+            self.swarm_rounds[fragment] = max(self.swarm_rounds[fragment], latest + 1)
             if diverged:
                 log.warning("fragment diverged fragment=%d: downloading its state", fragment)
                 if await self._download_fragment(fragment, records):

@@ -84,8 +84,18 @@ def plot(main: dict, path: Path) -> None:
         print("matplotlib not installed: pip install 'p2pdiloco[bench]' to plot", file=sys.stderr)
         return
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    ax.plot(main["sync_curve"]["tokens"], main["sync_curve"]["eval_loss"], label="synchronous DP", marker="o")
-    ax.plot(main["diloco_curve"]["tokens"], main["diloco_curve"]["eval_loss"], label=f"DiLoCo M={main['learners']} H={main['inner_steps']}", marker="s")
+    ax.plot(
+        main["sync_curve"]["tokens"],
+        main["sync_curve"]["eval_loss"],
+        label="synchronous DP",
+        marker="o",
+    )
+    ax.plot(
+        main["diloco_curve"]["tokens"],
+        main["diloco_curve"]["eval_loss"],
+        label=f"DiLoCo M={main['learners']} H={main['inner_steps']}",
+        marker="s",
+    )
     ax.set_xlabel("tokens (all learners)")
     ax.set_ylabel("held-out loss (nats/byte)")
     ax.set_title(f"{main['merge']} merge, comm reduction {main['comm_reduction']:.0f}x")
@@ -101,14 +111,23 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="about a minute on 2 CPU cores")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--plot", type=Path, help="write a PNG of loss against tokens here")
-    parser.add_argument("--codec", default="fp32", help="delta codec for the DiLoCo runs (fp32, int8, ...)")
+    parser.add_argument(
+        "--codec", default="fp32", help="delta codec for the DiLoCo runs (fp32, int8, ...)"
+    )
     parser.add_argument("--learners", type=int, default=4)
-    parser.add_argument("--no-sweeps", action="store_true", help="skip the merge-rule and learner-count sweeps")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], help="extra config override")
+    parser.add_argument(
+        "--no-sweeps", action="store_true", help="skip the merge-rule and learner-count sweeps"
+    )
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], help="extra config override"
+    )
     args = parser.parse_args()
 
     started = time.time()
-    config = load_config(None, [*(QUICK if args.quick else FULL), f"simulate.learners={args.learners}", *args.overrides])
+    config = load_config(
+        None,
+        [*(QUICK if args.quick else FULL), f"simulate.learners={args.learners}", *args.overrides],
+    )
     corpus = Corpus.from_config(config.data)
     channel = make_channel(config, args.codec)
     main_result = figures(simulate(config, corpus=corpus, channel=channel))
@@ -116,21 +135,41 @@ def main() -> int:
 
     if not args.no_sweeps:
         # Merge rules side by side (the baseline does not depend on the rule).
-        report["merge_rules"] = {main_result["merge"]: {"diloco_eval_loss": main_result["diloco_eval_loss"], "loss_ratio": main_result["loss_ratio"]}}
+        report["merge_rules"] = {
+            main_result["merge"]: {
+                "diloco_eval_loss": main_result["diloco_eval_loss"],
+                "loss_ratio": main_result["loss_ratio"],
+            }
+        }
         for rule in ("mean", "token", "radial"):
             if rule in report["merge_rules"]:
                 continue
             rule_config = replace(config, outer={"merge": rule}, simulate={"baseline": False})
-            loss = simulate(rule_config, corpus=corpus, channel=make_channel(rule_config, args.codec)).diloco_eval_loss
-            report["merge_rules"][rule] = {"diloco_eval_loss": loss, "loss_ratio": loss / main_result["sync_eval_loss"]}
+            loss = simulate(
+                rule_config, corpus=corpus, channel=make_channel(rule_config, args.codec)
+            ).diloco_eval_loss
+            report["merge_rules"][rule] = {
+                "diloco_eval_loss": loss,
+                "loss_ratio": loss / main_result["sync_eval_loss"],
+            }
         # Learner counts: each with its own baseline on the same M micro-batches.
-        report["learner_counts"] = {str(args.learners): {k: main_result[k] for k in ("diloco_eval_loss", "sync_eval_loss", "loss_ratio")}}
+        report["learner_counts"] = {
+            str(args.learners): {
+                k: main_result[k] for k in ("diloco_eval_loss", "sync_eval_loss", "loss_ratio")
+            }
+        }
         for count in (1, 2, 4):
             if str(count) in report["learner_counts"]:
                 continue
             count_config = replace(config, simulate={"learners": count})
-            result = figures(simulate(count_config, corpus=corpus, channel=make_channel(count_config, args.codec)))
-            report["learner_counts"][str(count)] = {k: result[k] for k in ("diloco_eval_loss", "sync_eval_loss", "loss_ratio")}
+            result = figures(
+                simulate(
+                    count_config, corpus=corpus, channel=make_channel(count_config, args.codec)
+                )
+            )
+            report["learner_counts"][str(count)] = {
+                k: result[k] for k in ("diloco_eval_loss", "sync_eval_loss", "loss_ratio")
+            }
 
     report["wall_s"] = round(time.time() - started, 1)
     if args.json:

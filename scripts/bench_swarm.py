@@ -24,8 +24,26 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-QUICK = {"sets": ["model.preset='tiny'", "model.seq_len=64", "train.batch_size=4", "sync.inner_steps=20", "data.max_files=200"], "steps": 160}
-FULL = {"sets": ["model.preset='tiny'", "model.seq_len=128", "train.batch_size=8", "sync.inner_steps=50", "data.max_files=600"], "steps": 600}
+QUICK = {
+    "sets": [
+        "model.preset='tiny'",
+        "model.seq_len=64",
+        "train.batch_size=4",
+        "sync.inner_steps=20",
+        "data.max_files=200",
+    ],
+    "steps": 160,
+}
+FULL = {
+    "sets": [
+        "model.preset='tiny'",
+        "model.seq_len=128",
+        "train.batch_size=8",
+        "sync.inner_steps=50",
+        "data.max_files=600",
+    ],
+    "steps": 600,
+}
 COMMON = ["train.device='cpu'", "sync.min_quorum=2"]
 
 
@@ -48,13 +66,22 @@ def lone_worker(sets: list[str], steps: int, rank: int) -> None:
     torch.set_num_threads(1)
     config = load_config(None, sets)
     corpus = Corpus.from_config(config.data)
-    batches = learner_batches(corpus, rank, 1, config.train.batch_size, config.model.seq_len, config.train.seed)
-    trainer = InnerTrainer(build_model(config.model.preset, max_seq_len=config.model.seq_len), config.train, torch.device("cpu"))
+    batches = learner_batches(
+        corpus, rank, 1, config.train.batch_size, config.model.seq_len, config.train.seed
+    )
+    trainer = InnerTrainer(
+        build_model(config.model.preset, max_seq_len=config.model.seq_len),
+        config.train,
+        torch.device("cpu"),
+    )
     print(json.dumps({"ready": True}), flush=True)
     started = time.monotonic()
     for _ in range(steps):
         trainer.step(batches)
-    print(json.dumps({"event": "summary", "steps": steps, "loop_s": time.monotonic() - started}), flush=True)
+    print(
+        json.dumps({"event": "summary", "steps": steps, "loop_s": time.monotonic() - started}),
+        flush=True,
+    )
 
 
 def _read_events(proc: subprocess.Popen) -> list[dict]:
@@ -70,22 +97,68 @@ def _read_events(proc: subprocess.Popen) -> list[dict]:
 
 def run_lone(sets: list[str], steps: int, num: int) -> list[dict]:
     procs = [
-        subprocess.Popen([sys.executable, __file__, "--lone-worker", "--rank", str(i), "--steps", str(steps), *sum((["--set", s] for s in sets), [])], stdout=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--lone-worker",
+                "--rank",
+                str(i),
+                "--steps",
+                str(steps),
+                *sum((["--set", s] for s in sets), []),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=_env(),
+            cwd=REPO,
+        )
         for i in range(num)
     ]
     return [next(e for e in _read_events(p) if e.get("event") == "summary") for p in procs]
 
 
 def run_swarm(sets: list[str], steps: int, num: int, timeout_s: float) -> list[list[dict]]:
-    boot = subprocess.Popen([sys.executable, "-m", "p2pdiloco", "bootstrap", "--events"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env(), cwd=REPO, start_new_session=True)
+    boot = subprocess.Popen(
+        [sys.executable, "-m", "p2pdiloco", "bootstrap", "--events"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=_env(),
+        cwd=REPO,
+        start_new_session=True,
+    )
     try:
         assert boot.stdout is not None
         maddrs = json.loads(boot.stdout.readline())["maddrs"]
-        args = ["-m", "p2pdiloco", "join", "--events", "--threads", "1", "--heartbeat-s", "1", "--eval-batches", "0", "--max-steps", str(steps), "--initial-peers", *maddrs]
+        args = [
+            "-m",
+            "p2pdiloco",
+            "join",
+            "--events",
+            "--threads",
+            "1",
+            "--heartbeat-s",
+            "1",
+            "--eval-batches",
+            "0",
+            "--max-steps",
+            str(steps),
+            "--initial-peers",
+            *maddrs,
+        ]
         for item in sets:
             args += ["--set", item]
         procs = [
-            subprocess.Popen([sys.executable, *args, "--data-rank", str(i)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env(), cwd=REPO, start_new_session=True)
+            subprocess.Popen(
+                [sys.executable, *args, "--data-rank", str(i)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                env=_env(),
+                cwd=REPO,
+                start_new_session=True,
+            )
             for i in range(num)
         ]
         deadline = time.monotonic() + timeout_s
@@ -147,7 +220,9 @@ def main() -> int:
         "swarm_train_fraction": statistics.mean(s["train_s"] / s["loop_s"] for s in summaries),
         "lone_steps_per_s": lone_rate,
         "round_latency_s": statistics.median(latencies) if latencies else None,
-        "bytes_sent_per_round_per_peer": statistics.mean(s["bytes_sent"] / max(s["rounds_contributed"], 1) for s in summaries),
+        "bytes_sent_per_round_per_peer": statistics.mean(
+            s["bytes_sent"] / max(s["rounds_contributed"], 1) for s in summaries
+        ),
         "rounds_contributed": [s["rounds_contributed"] for s in summaries],
         "replicas_identical": bool(hashes) and all(len(v) == 1 for v in hashes.values()),
         "wall_s": round(time.time() - started, 1),

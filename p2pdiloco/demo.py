@@ -1,0 +1,207 @@
+"""`p2pdiloco demo`: a local swarm on this machine, as separate processes on 127.0.0.1.
+
+A bootstrap node and N learner peers (`p2pdiloco join`) are started in their own
+process groups; their JSON event lines are read in background threads. `LocalSwarm`
+owns the children: `shutdown()` stops every one of them (SIGTERM, then SIGKILL of the
+group), and runs on Ctrl-C too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from p2pdiloco.errors import NetworkSetupError
+
+DEMO_RUN = [
+    "model.preset='small'",
+    "model.seq_len=128",
+    "train.batch_size=4",
+    "train.warmup_steps=10",
+    "train.total_steps=400",
+    "sync.inner_steps=20",
+    "sync.min_quorum=2",
+    "data.max_files=400",
+]
+"""The embedded demo run: the `small` model on the stdlib corpus, H=20, quorum 2."""
+
+
+@dataclass
+class Child:
+    """One child process and the events it printed."""
+
+    name: str
+    popen: subprocess.Popen
+    stderr_path: str
+    events: list[dict[str, Any]] = field(default_factory=list)
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def first(self, kind: str) -> dict[str, Any] | None:
+        return next((e for e in list(self.events) if e.get("event") == kind), None)
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in list(self.events) if e.get("event") == kind]
+
+    def stderr_tail(self, num_bytes: int = 2000) -> str:
+        try:
+            data = Path(self.stderr_path).read_bytes()
+        except OSError:
+            return ""
+        return data[-num_bytes:].decode(errors="replace")
+
+
+class LocalSwarm:
+    """A bootstrap node plus learner peers on 127.0.0.1."""
+
+    def __init__(
+        self, num_peers: int, sets: list[str], max_rounds: int, python: str = sys.executable
+    ) -> None:
+        self.num_peers = num_peers
+        self.sets = sets
+        self.max_rounds = max_rounds
+        self.python = python
+        self.bootstrap: Child | None = None
+        self.learners: list[Child] = []
+        self.bootstrap_maddrs: list[str] = []
+
+    def _spawn(self, name: str, args: list[str]) -> Child:
+        env = os.environ.copy()
+        env["PYTHONUNBUFFERED"] = "1"
+        fd, stderr_path = tempfile.mkstemp(prefix=f"p2pdiloco-{name}-", suffix=".log")
+        with os.fdopen(fd, "wb") as stderr:
+            popen = subprocess.Popen(
+                [self.python, "-m", "p2pdiloco", *args],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+                env=env,
+                start_new_session=True,  # its own group: shutdown() reaches its daemons too
+            )
+        child = Child(name, popen, stderr_path)
+        threading.Thread(target=self._read, args=(child,), daemon=True).start()
+        return child
+
+    @staticmethod
+    def _read(child: Child) -> None:
+        assert child.popen.stdout is not None
+        for line in child.popen.stdout:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(event, dict):
+                if "ready" in event:
+                    child.events.append({"event": "ready", **event})
+                    child.ready.set()
+                else:
+                    child.events.append(event)
+        child.ready.set()
+
+    def _wait_ready(self, child: Child, timeout_s: float) -> dict[str, Any]:
+        if not child.ready.wait(timeout_s) or not child.first("ready"):
+            raise NetworkSetupError(
+                f"{child.name} did not start within {timeout_s:.0f}s: {child.stderr_tail(400).strip().splitlines()[-1:] or 'no output'}"
+            )
+        return child.first("ready") or {}
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        """Start the bootstrap node, then every learner at once; wait until all are ready."""
+        self.bootstrap = self._spawn("bootstrap", ["bootstrap", "--events"])
+        self.bootstrap_maddrs = self._wait_ready(self.bootstrap, timeout_s)["maddrs"]
+        base = [
+            "join",
+            "--events",
+            "--threads",
+            "1",
+            "--max-rounds",
+            str(self.max_rounds),
+            "--data-shards",
+            str(self.num_peers),
+            "--initial-peers",
+            *self.bootstrap_maddrs,
+        ]
+        for item in self.sets:
+            base += ["--set", item]
+        self.learners = [
+            self._spawn(f"peer{i}", [*base, "--data-rank", str(i)]) for i in range(self.num_peers)
+        ]
+        deadline = time.monotonic() + timeout_s
+        for child in self.learners:
+            self._wait_ready(child, max(deadline - time.monotonic(), 1.0))
+
+    def running(self) -> bool:
+        return any(child.alive() for child in self.learners)
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop every child: SIGTERM (clean leave), then SIGKILL of its process group."""
+        children = [*self.learners, *([self.bootstrap] if self.bootstrap else [])]
+        for child in children:
+            if child.alive():
+                child.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for child in children:
+            try:
+                child.popen.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(child.popen.pid, signal.SIGKILL)  # whatever it spawned, too
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                child.popen.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.unlink(child.stderr_path)
+            except OSError:
+                pass
+
+    def replicas_identical(self) -> bool:
+        """Whether every (fragment, round) applied by several peers has a single hash."""
+        hashes: dict[tuple[int, int], set[str]] = {}
+        for child in self.learners:
+            for e in child.of("applied"):
+                hashes.setdefault((e["fragment"], e["round"]), set()).add(e["hash"])
+        return bool(hashes) and all(len(v) == 1 for v in hashes.values())
+
+    def summary(self) -> dict[str, Any]:
+        """Totals over the learners' summary events (the demo's --json figures)."""
+        summaries = [c.first("summary") for c in self.learners]
+        done = [s for s in summaries if s]
+        evals = [e for c in self.learners for e in c.of("eval")]
+        evals.sort(key=lambda e: (min(e["rounds"]), e.get("t", 0)))
+        return {
+            "peers": self.num_peers,
+            "rounds_completed": max((min(s["rounds"]) for s in done), default=0),
+            "tokens": sum(s["tokens"] for s in done),
+            "eval_loss_start": evals[0]["eval_loss"] if evals else None,
+            "eval_loss_end": evals[-1]["eval_loss"] if evals else None,
+            "bytes_sent": sum(s["bytes_sent"] for s in done),
+            "bytes_received": sum(s["bytes_received"] for s in done),
+            "replicas_identical": self.replicas_identical(),
+            "per_peer": [
+                {
+                    "peer_id": s["peer_id"],
+                    "steps": s["steps"],
+                    "tokens": s["tokens"],
+                    "rounds_contributed": s["rounds_contributed"],
+                    "tokens_contributed": s["tokens_contributed"],
+                    "bytes_sent": s["bytes_sent"],
+                }
+                for s in done
+            ],
+        }
