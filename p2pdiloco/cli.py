@@ -15,7 +15,7 @@ from pathlib import Path
 
 from p2pdiloco import __version__
 from p2pdiloco.config import RunConfig, load_config
-from p2pdiloco.errors import ConfigError, NetworkSetupError, P2PDilocoError
+from p2pdiloco.errors import ConfigError, P2PDilocoError
 
 log = logging.getLogger("p2pdiloco")
 
@@ -151,39 +151,17 @@ def _write_json(path: Path, data: dict) -> None:
 # --- join --------------------------------------------------------------------------------
 
 
-def read_bootstrap_file(path: Path) -> list[str]:
-    """Multiaddrs of a `bootstrap_peers/<run>.txt` file: one a line, `#` comments."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise NetworkSetupError(
-            f"unknown run: {path} does not exist (pass --initial-peers or create it)"
-        ) from None
-    except OSError as exc:
-        raise NetworkSetupError(f"cannot read {path}: {exc.strerror or exc}") from None
-    addrs = []
-    for number, line in enumerate(lines, start=1):
-        text = line.split("#", 1)[0].strip()
-        if not text:
-            continue
-        if not text.startswith("/") or "/p2p/" not in text:
-            raise NetworkSetupError(
-                f"{path}:{number}: {text!r} is not a multiaddr like /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo..."
-            )
-        addrs.append(text)
-    return addrs
-
-
 def cmd_join(args: argparse.Namespace) -> int:
     """Run the peer daemon: join a run, train, synchronise when elected."""
     import signal
 
+    from p2pdiloco.bootstrap import resolve_initial_peers
     from p2pdiloco.peer import PeerDaemon, PeerOptions, make_transport_for
+    from p2pdiloco.train import resolve_device
 
     config = config_from_args(args)
-    initial = list(args.initial_peers or [])
-    if not initial and args.bootstrap_file is not None:
-        initial = read_bootstrap_file(args.bootstrap_file)
+    resolve_device(config.train.device)  # fail before joining, with one line
+    initial = resolve_initial_peers(args.run, args.initial_peers, args.bootstrap_file, args.new_run)
     options = PeerOptions(
         run=args.run,
         initial_peers=tuple(initial),
@@ -203,6 +181,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         corrupt_rounds=args.corrupt_rounds,
         torch_threads=args.threads,
         eval_batches=args.eval_batches,
+        startup_timeout_s=args.startup_timeout_s,
     )
     daemon = PeerDaemon(config, options, make_transport_for(options))
 
@@ -397,10 +376,9 @@ def _print_demo_summary(console, summary: dict) -> None:
 
 
 def _initial_peers(args: argparse.Namespace) -> list[str]:
-    if args.initial_peers:
-        return list(args.initial_peers)
-    path = args.bootstrap_file or Path("bootstrap_peers") / f"{args.run}.txt"
-    return read_bootstrap_file(path)
+    from p2pdiloco.bootstrap import resolve_initial_peers
+
+    return resolve_initial_peers(args.run, args.initial_peers, args.bootstrap_file, new_run=False)
 
 
 async def _observe_once(args: argparse.Namespace, num_fragments: int):
@@ -517,6 +495,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     join.add_argument(
         "--bootstrap-file", type=Path, help="bootstrap file (default bootstrap_peers/<run>.txt)"
+    )
+    join.add_argument(
+        "--new-run", action="store_true", help="start a new swarm (no bootstrap peers)"
+    )
+    join.add_argument(
+        "--startup-timeout-s", type=float, default=120.0, help="give up joining after this long"
     )
     join.add_argument("--host", default="127.0.0.1", help="listen address")
     join.add_argument("--port", type=int, default=0, help="listen port (0: any)")

@@ -191,6 +191,15 @@ class Learner:
         base_round, base = self.state.fragment_params(fragment)
         local = {n: self._params[n].detach().float().cpu() for n in base}
         delta = {n: base[n] - local[n] for n in base}
+        if not all(bool(torch.isfinite(t).all()) for t in delta.values()):
+            # A diverged replica must not poison the swarm: drop it and restart from global.
+            log.warning(
+                "non-finite local delta fragment=%d: not sent; fragment reset to global", fragment
+            )
+            self.on_event({"event": "local_reset", "fragment": fragment})
+            self.load_global_into_model([fragment])
+            self.progress.c_tokens[fragment] = self.progress.c_steps[fragment] = 0
+            return
         tensors = compress.encode_tensors(self.codec, delta, self.feedback)
         if self.config.sync.on_receive == "rebase":
             self._shipped_local[fragment] = {n: t.clone() for n, t in local.items()}

@@ -78,6 +78,29 @@ def fp32_channel(_learner: int, delta: Params) -> tuple[Params, int]:
     return delta, sum(t.numel() * 4 for t in delta.values())
 
 
+def codec_channel(config: RunConfig, codec_name: str) -> DeltaChannel:
+    """Send each delta through a codec, with per-learner error feedback when the run asks.
+
+    The receiver merges what it decoded, exactly as a synchronizer would; the bytes counted
+    are the encoded payloads.
+    """
+    from p2pdiloco.compress import ErrorFeedback, decode_tensors, encode_tensors, make_codec
+
+    c = config.compress
+    codec = make_codec(
+        codec_name, block_size=c.block_size, topk_fraction=c.topk_fraction, zstd=c.zstd
+    )
+    use_feedback = c.error_feedback and codec_name != "fp32"
+    feedback: dict[int, ErrorFeedback] = {}
+
+    def channel(learner: int, delta: Params) -> tuple[Params, int]:
+        fb = feedback.setdefault(learner, ErrorFeedback()) if use_feedback else None
+        encoded = encode_tensors(codec, delta, fb)
+        return decode_tensors(encoded), sum(e.nbytes for e in encoded.values())
+
+    return channel
+
+
 def global_state_of(model: Decoder) -> Params:
     """The global parameters as fp32 CPU tensors (a copy)."""
     return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from p2pdiloco.config import RunConfig, load_config, replace
 from p2pdiloco.data import Corpus
-from p2pdiloco.simulate import DeltaChannel, SimulationResult, fp32_channel, simulate
+from p2pdiloco.simulate import DeltaChannel, SimulationResult, codec_channel, fp32_channel, simulate
 
 QUICK = [
     "model.preset='tiny'",
@@ -47,10 +47,6 @@ def make_channel(config: RunConfig, codec_name: str) -> DeltaChannel:
     """The path a delta takes: fp32 as is, or through a codec (with error feedback)."""
     if codec_name == "fp32":
         return fp32_channel
-    try:
-        from p2pdiloco.compress import codec_channel
-    except ImportError:
-        raise SystemExit(f"--codec {codec_name}: this build has no compress module yet") from None
     return codec_channel(config, codec_name)
 
 

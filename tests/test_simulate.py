@@ -40,3 +40,13 @@ def test_one_learner_with_outer_lr_one_and_no_momentum_equals_plain_training(
     )
     result = simulate(config, corpus=tiny_corpus)
     assert result.diloco.eval_loss == pytest.approx(result.sync.eval_loss, rel=1e-4)
+
+
+def test_codec_channel_sends_fewer_bytes_and_still_trains(tiny_config, tiny_corpus) -> None:
+    from p2pdiloco.simulate import codec_channel
+
+    config = replace(tiny_config, simulate={"baseline": False, "rounds": 2})
+    fp32 = simulate(config, corpus=tiny_corpus)
+    int8 = simulate(config, corpus=tiny_corpus, channel=codec_channel(config, "int8"))
+    assert int8.diloco_bytes_per_learner < 0.3 * fp32.diloco_bytes_per_learner
+    assert int8.diloco_eval_loss == pytest.approx(fp32.diloco_eval_loss, rel=0.02)
