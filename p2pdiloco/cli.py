@@ -168,6 +168,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         client_mode=args.client_mode,
+        announce_maddrs=tuple(args.announce_maddrs or ()),
         identity_path=str(args.identity) if args.identity else None,
         data_rank=args.data_rank,
         data_shards=args.data_shards,
@@ -507,6 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument(
         "--client-mode", action="store_true", help="behind NAT: outgoing connections only"
     )
+    join.add_argument("--announce-maddrs", nargs="*", metavar="MULTIADDR", help="public addresses to announce")
     join.add_argument("--identity", type=Path, help="Ed25519 key file (created if missing)")
     join.add_argument("--data-rank", type=int, help="this peer's data shard")
     join.add_argument("--data-shards", type=int, default=1, help="number of data shards")
@@ -618,6 +620,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USER_ERROR
     _setup_logging(args.verbose)
+    if args.command in ("demo", "dashboard", "status") and not args.verbose:
+        # The screen belongs to the dashboard: only warnings and errors go to the log.
+        logging.getLogger().setLevel(logging.WARNING)
     try:
         return handler(args)
     except P2PDilocoError as exc:
