@@ -114,6 +114,15 @@ def load_params(model: Decoder, params: Params) -> None:
             p.copy_(params[name].to(p.device, p.dtype))
 
 
+def learner_streams(config: RunConfig, corpus: Corpus, num_learners: int) -> list:
+    """One batch stream per simulated learner: its own shard, its own order."""
+    train, seq_len = config.train, config.model.seq_len
+    return [
+        learner_batches(corpus, rank, num_learners, train.batch_size, seq_len, train.seed)
+        for rank in range(num_learners)
+    ]
+
+
 def _schedule_config(config: RunConfig) -> RunConfig:
     # The cosine schedule spans the whole simulated run, for both DiLoCo and the baseline.
     total = config.simulate.rounds * config.sync.inner_steps
@@ -142,17 +151,7 @@ def run_diloco(
     trainers = [
         InnerTrainer(copy.deepcopy(base), config.train, device) for _ in range(num_learners)
     ]
-    streams = [
-        learner_batches(
-            corpus,
-            rank,
-            num_learners,
-            config.train.batch_size,
-            config.model.seq_len,
-            config.train.seed,
-        )
-        for rank in range(num_learners)
-    ]
+    streams = learner_streams(config, corpus, num_learners)
     outer_state = OuterState()
     embedding_names = frozenset(n for n in global_params if n.startswith("embed."))
     curve, tokens_total, bytes_sent = LossCurve(), 0, 0
@@ -226,17 +225,7 @@ def run_sync_baseline(
         replace(config, train={"grad_accum": config.train.grad_accum * num_learners}).train,
         device,
     )
-    streams = [
-        learner_batches(
-            corpus,
-            rank,
-            num_learners,
-            config.train.batch_size,
-            config.model.seq_len,
-            config.train.seed,
-        )
-        for rank in range(num_learners)
-    ]
+    streams = learner_streams(config, corpus, num_learners)
 
     def round_robin():
         while True:

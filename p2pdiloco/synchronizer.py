@@ -274,21 +274,29 @@ class Synchronizer:
             hash=update.meta.get("hash"),
         )
 
-    async def rpc_get_update(self, caller: str, request: bytes) -> bytes:
-        """The encoded update of (round, fragment) from this replica's history."""
+    def _parse_request(self, request: bytes, kind: str) -> wire.Message | None:
+        """A small request of `kind` for one of our fragments, or None (logged) if it is not."""
         msg = wire.decode_message(request, self.limits)
         if (
             isinstance(msg, wire.Rejected)
-            or msg.kind != messages.UPDATE_REQUEST
+            or msg.kind != kind
             or not 0 <= msg.fragment < self.state.num_fragments
         ):
+            reason = (
+                msg.reason
+                if isinstance(msg, wire.Rejected)
+                else f"{msg.kind} for fragment {msg.fragment}"
+            )
+            log.warning("rejected request kind=%s reason=%r", kind, reason)
+            return None
+        return msg
+
+    async def rpc_get_update(self, caller: str, request: bytes) -> bytes:
+        """The encoded update of (round, fragment) from this replica's history."""
+        msg = self._parse_request(request, messages.UPDATE_REQUEST)
+        if msg is None:
             return messages.reply(
-                self.run,
-                -1 if isinstance(msg, wire.Rejected) else msg.round,
-                0,
-                self.peer_id,
-                messages.REJECTED,
-                reason="bad update request",
+                self.run, -1, 0, self.peer_id, messages.REJECTED, reason="bad update request"
             )
         encoded = self.state.encoded_update(msg.fragment, msg.round)
         if encoded is None:
@@ -297,14 +305,10 @@ class Synchronizer:
 
     async def rpc_get_state(self, caller: str, request: bytes) -> bytes:
         """One fragment's global parameters and momentum, for a joining peer."""
-        msg = wire.decode_message(request, self.limits)
-        if (
-            isinstance(msg, wire.Rejected)
-            or msg.kind != wire.STATE_REQUEST
-            or not 0 <= msg.fragment < self.state.num_fragments
-        ):
+        msg = self._parse_request(request, wire.STATE_REQUEST)
+        if msg is None:
             return messages.reply(
-                self.run, 0, 0, self.peer_id, messages.REJECTED, reason="bad state request"
+                self.run, -1, 0, self.peer_id, messages.REJECTED, reason="bad state request"
             )
         loop = asyncio.get_running_loop()
         snapshot = await loop.run_in_executor(None, self.state.export_fragment, msg.fragment)
