@@ -69,6 +69,40 @@ def figures(result: SimulationResult) -> dict:
     return out
 
 
+CODEC_RUNS = [
+    ("fp32", True),
+    ("int8", True),
+    ("int4", True),
+    ("fp4", True),
+    ("topk", True),
+    ("topk", False),
+    ("int4", False),
+]
+"""(codec, error feedback) pairs of the codec sweep."""
+
+
+def codec_sweep(config: RunConfig, corpus: Corpus, main_result: dict) -> dict:
+    """DiLoCo's loss with each delta codec, next to the same synchronous baseline."""
+    out = {}
+    fp32_loss = None
+    for codec, feedback in CODEC_RUNS:
+        run_config = replace(
+            config, simulate={"baseline": False}, compress={"error_feedback": feedback}
+        )
+        result = simulate(run_config, corpus=corpus, channel=make_channel(run_config, codec))
+        loss = result.diloco_eval_loss
+        fp32_loss = loss if codec == "fp32" else fp32_loss
+        name = codec if feedback or codec == "fp32" else f"{codec}_no_ef"
+        out[name] = {
+            "diloco_eval_loss": loss,
+            "loss_ratio": loss / main_result["sync_eval_loss"],
+            "vs_fp32": loss / fp32_loss if fp32_loss else None,
+            "bytes_per_learner": result.diloco_bytes_per_learner,
+            "comm_reduction": result.comm_reduction,
+        }
+    return out
+
+
 def plot(main: dict, path: Path) -> None:
     """Held-out loss against tokens for DiLoCo and synchronous DP (needs matplotlib)."""
     try:
@@ -115,6 +149,9 @@ def main() -> int:
         "--no-sweeps", action="store_true", help="skip the merge-rule and learner-count sweeps"
     )
     parser.add_argument(
+        "--codec-sweep", action="store_true", help="DiLoCo with every codec against one baseline"
+    )
+    parser.add_argument(
         "--set", dest="overrides", action="append", default=[], help="extra config override"
     )
     args = parser.parse_args()
@@ -129,6 +166,8 @@ def main() -> int:
     main_result = figures(simulate(config, corpus=corpus, channel=channel))
     report = {**main_result, "codec": args.codec, "setting": "quick" if args.quick else "full"}
 
+    if args.codec_sweep:
+        report["codecs"] = codec_sweep(config, corpus, main_result)
     if not args.no_sweeps:
         # Merge rules side by side (the baseline does not depend on the rule).
         report["merge_rules"] = {
