@@ -169,6 +169,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         port=args.port,
         client_mode=args.client_mode,
         announce_maddrs=tuple(args.announce_maddrs or ()),
+        checkpoint_dir=str(args.checkpoint_dir) if args.checkpoint_dir else None,
         identity_path=str(args.identity) if args.identity else None,
         data_rank=args.data_rank,
         data_shards=args.data_shards,
@@ -508,7 +509,15 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument(
         "--client-mode", action="store_true", help="behind NAT: outgoing connections only"
     )
-    join.add_argument("--announce-maddrs", nargs="*", metavar="MULTIADDR", help="public addresses to announce")
+    join.add_argument(
+        "--log-json", action="store_true", help="log one JSON object per line (for machines)"
+    )
+    join.add_argument(
+        "--checkpoint-dir", type=Path, help="save local state here on leaving, restore on start"
+    )
+    join.add_argument(
+        "--announce-maddrs", nargs="*", metavar="MULTIADDR", help="public addresses to announce"
+    )
     join.add_argument("--identity", type=Path, help="Ed25519 key file (created if missing)")
     join.add_argument("--data-rank", type=int, help="this peer's data shard")
     join.add_argument("--data-shards", type=int, default=1, help="number of data shards")
@@ -596,11 +605,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _setup_logging(verbose: bool) -> None:
+class _JsonFormatter(logging.Formatter):
+    """One JSON object per log record (`--log-json`), for log collectors."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return json.dumps(
+            {
+                "t": record.created,
+                "level": record.levelname,
+                "logger": record.name,
+                "message": record.getMessage(),
+            }
+        )
+
+
+def _setup_logging(verbose: bool, log_json: bool = False) -> None:
     from rich.logging import RichHandler
 
     handler: logging.Handler
-    if sys.stderr.isatty():
+    if log_json:
+        handler = logging.StreamHandler()
+        handler.setFormatter(_JsonFormatter())
+    elif sys.stderr.isatty():
         handler = RichHandler(show_path=False, rich_tracebacks=False)
         handler.setFormatter(logging.Formatter("%(message)s"))
     else:
@@ -619,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     if handler is None:
         parser.print_help()
         return EXIT_USER_ERROR
-    _setup_logging(args.verbose)
+    _setup_logging(args.verbose, getattr(args, "log_json", False))
     if args.command in ("demo", "dashboard", "status") and not args.verbose:
         # The screen belongs to the dashboard: only warnings and errors go to the log.
         logging.getLogger().setLevel(logging.WARNING)

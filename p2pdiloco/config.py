@@ -465,3 +465,24 @@ def render_toml(config: RunConfig) -> str:
             lines.append(f"{key} = {text}")
         lines.append("")
     return "\n".join(lines)
+
+
+PER_PEER_FIELDS = {"train": {"device", "batch_size", "grad_accum"}}
+"""Fields each volunteer may choose for its own machine (token weighting absorbs them)."""
+
+
+def config_hash(
+    config: RunConfig, sections: tuple[str, ...] = ("model", "train", "outer", "sync", "compress")
+) -> str:
+    """A short hash of what every peer of a run must agree on.
+
+    Left out: `data` (each volunteer may train on its own text), `simulate`, and the
+    per-peer fields of `PER_PEER_FIELDS`.
+    """
+    import hashlib
+    import json
+
+    data = {name: values for name, values in config_to_dict(config).items() if name in sections}
+    for section, fields in PER_PEER_FIELDS.items():
+        data[section] = {k: v for k, v in data[section].items() if k not in fields}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]

@@ -53,6 +53,8 @@ class Heartbeat:
     bytes_received: int = 0
     software: str = ""
     protocol: int = PROTOCOL_VERSION
+    config_hash: str = ""
+    """Hash of the run config the peer trains with; peers with another one are ignored."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def encode(self) -> bytes:
@@ -90,9 +92,13 @@ def decode_heartbeat(raw: bytes) -> Heartbeat | str:
 
 
 def live_members(
-    records: Mapping[str, tuple[bytes, float]], now: float
+    records: Mapping[str, tuple[bytes, float]], now: float, config_hash: str = ""
 ) -> tuple[dict[str, Heartbeat], dict[str, str]]:
-    """(live heartbeats by peer id, rejection reason by subkey) from DHT records."""
+    """(live heartbeats by peer id, rejection reason by subkey) from DHT records.
+
+    With `config_hash`, learners that train with another run config are rejected: a
+    peer that silently disagrees on the model, H or the codecs would corrupt merges.
+    """
     live: dict[str, Heartbeat] = {}
     rejected: dict[str, str] = {}
     for subkey, (raw, expiration) in records.items():
@@ -103,6 +109,10 @@ def live_members(
             rejected[subkey] = beat
         elif beat.peer_id != subkey:
             rejected[subkey] = f"heartbeat for {beat.peer_id} stored under {subkey}"
+        elif config_hash and beat.role == "learner" and beat.config_hash != config_hash:
+            rejected[subkey] = (
+                f"trains with another run config ({beat.config_hash[:12]} vs ours {config_hash[:12]})"
+            )
         else:
             live[subkey] = beat
     return live, rejected

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 import torch
 
 from p2pdiloco import __version__, compress, messages, wire
-from p2pdiloco.config import RunConfig
+from p2pdiloco.checkpoint import load_learner, save_learner
+from p2pdiloco.config import RunConfig, config_hash
 from p2pdiloco.data import Corpus, heldout_batches, learner_batches
-from p2pdiloco.errors import NetworkSetupError
+from p2pdiloco.errors import ConfigError, NetworkSetupError
 from p2pdiloco.fragments import partition_fragments
 from p2pdiloco.learner import Learner
 from p2pdiloco.learner_link import LearnerLink, Outcome
@@ -72,6 +73,8 @@ class PeerOptions:
     """Print one JSON line per event on stdout (tests and the demo read these)."""
     startup_timeout_s: float = 120.0
     """Bound on joining the DHT."""
+    checkpoint_dir: str | None = None
+    """Where the learner's local state is saved on leaving and restored on start."""
     torch_threads: int = 0
     """Threads for torch's CPU kernels (0: torch's default). Several peers on one machine
     should use 1 each, or their busy-waiting thread pools starve one another."""
@@ -110,6 +113,7 @@ class PeerDaemon:
         self._tasks: list[asyncio.Task] = []
         self._leaving = False
         self._stdout_closed = False
+        self.config_hash = config_hash(config)
         self.swarm_rounds: list[int] = []
         """Per fragment, the round the swarm has reached according to the round records."""
 
@@ -143,6 +147,14 @@ class PeerDaemon:
                     "maddrs": self.transport.visible_maddrs(),
                 }
             )
+            if self.options.checkpoint_dir:
+                restored = load_learner(self.options.checkpoint_dir, self.learner, self.config_hash)
+                self.emit(
+                    {
+                        "event": "checkpoint_loaded" if restored else "checkpoint_none",
+                        "step": self.learner.progress.step,
+                    }
+                )
             self._on_loop(self._join(), 600)
             self.emit(
                 {
@@ -160,6 +172,15 @@ class PeerDaemon:
                 self.rounds_reached,
             )
             self._finish_in_flight()
+            if self.options.checkpoint_dir:
+                path = save_learner(self.options.checkpoint_dir, self.learner, self.config_hash)
+                self.emit(
+                    {
+                        "event": "checkpoint_saved",
+                        "path": str(path),
+                        "step": self.learner.progress.step,
+                    }
+                )
             self.emit({"event": "summary", **self.summary()})
             return 0
         finally:
@@ -270,6 +291,16 @@ class PeerDaemon:
     async def _start_network(self) -> None:
         await self.synchronizer.start()
         await self._beat()
+        others = [p for p in self.status.members if p != self.transport.peer_id]
+        disagree = [
+            r
+            for r in self.status.rejected_members.values()
+            if r.startswith("trains with another run config")
+        ]
+        if disagree and not others:
+            raise ConfigError(
+                f"this peer's run config differs from the run's (every live learner {disagree[0]}): use the run's published config"
+            )
         self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
 
     def _finish_in_flight(self, timeout_s: float = 30.0) -> None:
@@ -351,6 +382,7 @@ class PeerDaemon:
             bytes_sent=progress.bytes_sent if progress else 0,
             bytes_received=(progress.bytes_received + self.link.bytes_received) if progress else 0,
             software=f"p2pdiloco/{__version__}",
+            config_hash=self.config_hash,
         )
 
     async def _beat(self) -> None:
@@ -364,7 +396,7 @@ class PeerDaemon:
             now + ttl,
         )
         records = await self.transport.get(members_key(self.options.run))
-        live, rejected = live_members(records, self.transport.now())
+        live, rejected = live_members(records, self.transport.now(), self.config_hash)
         for subkey, reason in rejected.items():
             if subkey not in self.status.rejected_members:
                 log.warning("ignored member subkey=%s reason=%r", subkey[-8:], reason)

@@ -37,3 +37,23 @@ def test_live_membership_drops_expired_foreign_and_malformed_records() -> None:
     assert "stored under" in rejected["E"]
     assert synchronizer_candidates(live) == ["A"]
     assert learners(live) == ["A", "F"]
+
+
+def test_learners_with_another_run_config_are_not_members() -> None:
+    from p2pdiloco.config import config_hash, load_config
+
+    ours = config_hash(load_config(None))
+    theirs = config_hash(load_config(None, ["sync.inner_steps=7"]))
+    # per-peer choices do not change the hash
+    assert (
+        config_hash(
+            load_config(None, ["train.device='cpu'", "train.batch_size=3", "data.source='/x'"])
+        )
+        == ours
+    )
+    records = {
+        "A": (Heartbeat(peer_id="A", config_hash=ours).encode(), 10.0),
+        "B": (Heartbeat(peer_id="B", config_hash=theirs).encode(), 10.0),
+    }
+    live, rejected = live_members(records, 0.0, ours)
+    assert list(live) == ["A"] and "another run config" in rejected["B"]

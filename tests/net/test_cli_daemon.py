@@ -102,6 +102,18 @@ def test_join_from_a_bootstrap_file_forms_a_swarm_that_status_lists(bootstrap_fi
     listed = {p["peer_id"] for p in status["peers"]}
     assert {p.peer_id for p in peers} <= listed
     assert status["rounds"][0]["round"] >= 0 and status["rounds"][0]["synchronizer"] in listed
+    # a peer that disagrees on the run config cannot join silently
+    other = run_cli(
+        "join",
+        "--run",
+        "testrun",
+        "--bootstrap-file",
+        str(bootstrap_file),
+        *sets(*TINY_RUN, "sync.inner_steps=7"),
+    )
+    assert other.returncode == 2 and "differs from the run's" in other.stderr.splitlines()[-1], (
+        other.stderr[-2000:]
+    )
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (CI installs it)")
@@ -180,3 +192,34 @@ def test_bad_inputs_each_give_one_line_and_exit_code_2(tmp_path) -> None:
         run_cli("join", "--startup-timeout-s", "10", "--initial-peers", dead, *sets(*TINY_RUN))
     )
     assert "initial peers" in line
+
+
+def test_checkpoint_is_saved_on_leaving_and_restored_on_start(tmp_path) -> None:
+    from .harness import start_peer_process
+
+    ckpt = tmp_path / "ckpt"
+    args = [
+        "-m",
+        "p2pdiloco",
+        "join",
+        "--events",
+        "--new-run",
+        "--threads",
+        "1",
+        "--log-json",
+        "--max-steps",
+        "12",
+        "--checkpoint-dir",
+        str(ckpt),
+        *sets(*TINY_RUN),
+    ]
+    first = Events(start_peer_process(args, ready_timeout_s=240))
+    saved = first.wait(lambda e: e.get("event") == "checkpoint_saved", 300)
+    assert saved["step"] == 12 and (ckpt / "learner.pt").exists()
+    assert first.peer.popen.wait(60) == 0
+    second = Events(
+        start_peer_process([*args[: -len(sets(*TINY_RUN))], *sets(*TINY_RUN)], ready_timeout_s=240)
+    )
+    second.wait(lambda e: e.get("event") == "checkpoint_saved", 300)
+    loaded = [e for e in second.seen if e.get("event") == "checkpoint_loaded"]
+    assert loaded and loaded[0]["step"] == 12
