@@ -151,6 +151,45 @@ def _write_json(path: Path, data: dict) -> None:
 # --- join --------------------------------------------------------------------------------
 
 
+class _PhaseProgress:
+    """Progress bars for a peer's long work (data indexing, state download) on a terminal."""
+
+    LABELS = {"data": "indexing data files", "state": "downloading global state (fragments)"}
+
+    def __init__(self) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        console = Console(stderr=True)
+        self.bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            console=console,
+            transient=True,
+            disable=not console.is_terminal,
+            redirect_stdout=False,  # stdout may carry --events lines
+            redirect_stderr=False,
+        )
+        self.tasks: dict[str, int] = {}
+        self.closed = False
+        self.bar.start()
+
+    def update(self, phase: str, done: int, total: int) -> None:
+        if self.closed:
+            return
+        if phase not in self.tasks:
+            self.tasks[phase] = self.bar.add_task(self.LABELS.get(phase, phase), total=total)
+        self.bar.update(self.tasks[phase], completed=done, total=total)
+        if phase == "state" and done >= total:
+            self.close()  # joined: the bars give way to the log
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.bar.stop()
+
+
 def cmd_join(args: argparse.Namespace) -> int:
     """Run the peer daemon: join a run, train, synchronise when elected."""
     import signal
@@ -185,7 +224,8 @@ def cmd_join(args: argparse.Namespace) -> int:
         eval_batches=args.eval_batches,
         startup_timeout_s=args.startup_timeout_s,
     )
-    daemon = PeerDaemon(config, options, make_transport_for(options))
+    progress = _PhaseProgress()
+    daemon = PeerDaemon(config, options, make_transport_for(options), on_progress=progress.update)
 
     def on_signal(signum, _frame) -> None:
         log.info("signal=%d: leaving the run", signum)
@@ -193,7 +233,10 @@ def cmd_join(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    return daemon.run()
+    try:
+        return daemon.run()
+    finally:
+        progress.close()
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:

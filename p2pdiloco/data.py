@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,7 +65,11 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def _stdlib_documents(max_files: int) -> Iterator[Document]:
+Progress = Callable[[int, int], None]
+"""Progress callback: (files read, files in all)."""
+
+
+def _stdlib_documents(max_files: int, progress: Progress | None = None) -> Iterator[Document]:
     root = stdlib_root()
     skip = {"site-packages", "dist-packages", "__pycache__"}
     paths = sorted(
@@ -75,7 +79,10 @@ def _stdlib_documents(max_files: int) -> Iterator[Document]:
         raise DataError(
             f"no Python sources found under {root}; pass data.source=PATH to your own text"
         )
-    for path in paths[: max_files or None]:
+    paths = paths[: max_files or None]
+    for done, path in enumerate(paths, start=1):
+        if progress:
+            progress(done, len(paths))
         text = path.read_text(encoding="utf-8", errors="replace")
         if text:
             yield Document(str(path.relative_to(root)), text)
@@ -120,7 +127,9 @@ def _file_documents(path: Path, rel: str, text_field: str) -> Iterator[Document]
         yield Document(rel, path.read_text(encoding="utf-8", errors="replace"))
 
 
-def _path_documents(source: Path, text_field: str, max_files: int) -> Iterator[Document]:
+def _path_documents(
+    source: Path, text_field: str, max_files: int, progress: Progress | None = None
+) -> Iterator[Document]:
     if not source.exists():
         raise DataError(f"data source {source} does not exist")
     if source.is_dir():
@@ -130,7 +139,10 @@ def _path_documents(source: Path, text_field: str, max_files: int) -> Iterator[D
         root = source
     else:
         paths, root = [source], source.parent
-    for path in paths[: max_files or None]:
+    paths = paths[: max_files or None]
+    for done, path in enumerate(paths, start=1):
+        if progress:
+            progress(done, len(paths))
         try:
             yield from _file_documents(path, str(path.relative_to(root)), text_field)
         except OSError as exc:
@@ -154,15 +166,19 @@ def _hf_documents(name: str, text_field: str, max_files: int) -> Iterator[Docume
             yield Document(f"{name}#{number}", text)
 
 
-def load_documents(config: DataConfig) -> list[Document]:
+def load_documents(config: DataConfig, progress: Progress | None = None) -> list[Document]:
     """All documents of the configured source; raises `DataError` naming the path if none."""
     source = config.source
     if source == "stdlib":
-        docs = list(_stdlib_documents(config.max_files))
+        docs = list(_stdlib_documents(config.max_files, progress))
     elif source.startswith("hf:"):
         docs = list(_hf_documents(source[3:], config.text_field, config.max_files))
     else:
-        docs = list(_path_documents(Path(source).expanduser(), config.text_field, config.max_files))
+        docs = list(
+            _path_documents(
+                Path(source).expanduser(), config.text_field, config.max_files, progress
+            )
+        )
     docs = [d for d in docs if d.text]
     if not docs:
         raise DataError(f"data source {source} is empty: it holds no text")
@@ -177,8 +193,8 @@ class Corpus:
     heldout: list[Document]
 
     @classmethod
-    def from_config(cls, config: DataConfig) -> Corpus:
-        docs = load_documents(config)
+    def from_config(cls, config: DataConfig, progress: Progress | None = None) -> Corpus:
+        docs = load_documents(config, progress)
         heldout = [d for d in docs if is_heldout(d.key, config.heldout_fraction)]
         train = [d for d in docs if not is_heldout(d.key, config.heldout_fraction)]
         if not heldout:  # tiny corpora: keep evaluation possible, deterministically

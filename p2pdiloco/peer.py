@@ -16,6 +16,7 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -99,11 +100,19 @@ class PeerStatus:
 class PeerDaemon:
     """Compose transport, state, synchronizer, link and learner; run until stopped."""
 
-    def __init__(self, config: RunConfig, options: PeerOptions, transport: Transport) -> None:
+    def __init__(
+        self,
+        config: RunConfig,
+        options: PeerOptions,
+        transport: Transport,
+        on_progress: Callable[[str, int, int], None] = lambda phase, done, total: None,
+    ) -> None:
         self.config = config
         self.options = options
         self.transport = transport
         self.stop_event = threading.Event()
+        self.on_progress = on_progress
+        """Long work reports here: (phase, done, total), phases `data` and `state`."""
         self.loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(
             target=self.loop.run_forever, name="p2pdiloco-net", daemon=True
@@ -230,7 +239,9 @@ class PeerDaemon:
             {n: p.numel() for n, p in params.items()}, config.sync.num_fragments
         )
         self.state = GlobalState(params, fragments, config.outer)
-        corpus = Corpus.from_config(config.data)
+        corpus = Corpus.from_config(
+            config.data, lambda done, total: self.on_progress("data", done, total)
+        )
         peer_id = self.transport.peer_id
         rank = (
             options.data_rank
@@ -455,6 +466,7 @@ class PeerDaemon:
             records = await self.latest_round_records(fragment)
             if records:
                 await self._download_fragment(fragment, records)
+            self.on_progress("state", fragment + 1, self.state.num_fragments)
 
     async def _download_fragment(
         self, fragment: int, records: dict[int, messages.RoundRecord]
