@@ -438,7 +438,13 @@ class PeerDaemon:
         return out
 
     async def _watch_rounds(self) -> None:
-        """Catch up when the swarm is ahead; re-download a fragment whose hash diverged."""
+        """Catch up when the swarm is ahead; re-download a fragment whose hash diverged.
+
+        Only after trying does this peer note how far the swarm got (`swarm_rounds`), so a
+        peer that can catch up does so before `--max-rounds` lets it leave.
+        """
+        if len(self.swarm_rounds) < self.state.num_fragments:
+            self.swarm_rounds = [0] * self.state.num_fragments
         for fragment in range(self.state.num_fragments):
             records = await self.latest_round_records(fragment)
             if not records:
@@ -448,17 +454,14 @@ class PeerDaemon:
                 r in ours and ours[r] != rec.hash for r, rec in records.items()
             )
             latest = max(records)
-            if len(self.swarm_rounds) < self.state.num_fragments:
-                self.swarm_rounds = [0] * self.state.num_fragments
-            self.swarm_rounds[fragment] = max(self.swarm_rounds[fragment], latest + 1)
             if diverged:
                 log.warning("fragment diverged fragment=%d: downloading its state", fragment)
                 if await self._download_fragment(fragment, records):
                     self.link.diverged.discard(fragment)
-                continue
-            if self.state.round_of(fragment) <= latest:
+            elif self.state.round_of(fragment) <= latest:
                 if not await self.link.catch_up_to(fragment, latest + 1):
                     await self._download_fragment(fragment, records)
+            self.swarm_rounds[fragment] = max(self.swarm_rounds[fragment], latest + 1)
 
     async def _join(self) -> None:
         """Late joiner: download every fragment that the swarm has moved past round 0."""
