@@ -215,6 +215,8 @@ def cmd_join(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat_s,
         max_rounds=args.max_rounds,
         max_steps=args.max_steps,
+        wait_peers=args.wait_peers,
+        wait_peers_timeout_s=args.wait_peers_timeout_s,
         events=args.events,
         straggle_s=args.straggle_s,
         straggle_rounds=args.straggle_rounds,
@@ -567,6 +569,19 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--heartbeat-s", type=float, default=2.0, help="seconds between heartbeats")
     join.add_argument("--max-rounds", type=int, help="leave once every fragment reached this round")
     join.add_argument("--max-steps", type=int, help="leave after this many inner steps")
+    join.add_argument(
+        "--wait-peers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start training once N learners (this one included) are live (0: at once)",
+    )
+    join.add_argument(
+        "--wait-peers-timeout-s",
+        type=float,
+        default=300.0,
+        help="start anyway after this long (with a warning)",
+    )
     join.add_argument(
         "--eval-batches",
         type=int,

@@ -130,6 +130,9 @@ class LocalSwarm:
             str(self.max_rounds),
             "--data-shards",
             str(self.num_peers),
+            # start together: no peer closes early rounds alone while the others index data
+            "--wait-peers",
+            str(self.num_peers),
             "--initial-peers",
             *self.bootstrap_maddrs,
         ]

@@ -30,7 +30,7 @@ from p2pdiloco.errors import ConfigError, NetworkSetupError
 from p2pdiloco.fragments import partition_fragments
 from p2pdiloco.learner import Learner
 from p2pdiloco.learner_link import LearnerLink, Outcome
-from p2pdiloco.membership import Heartbeat, live_members, members_key
+from p2pdiloco.membership import Heartbeat, learners, live_members, members_key
 from p2pdiloco.model import build_model
 from p2pdiloco.state import FragmentState, GlobalState
 from p2pdiloco.synchronizer import Synchronizer
@@ -68,6 +68,11 @@ class PeerOptions:
     """Leave after every fragment reached this round (None: run until stopped)."""
     max_steps: int | None = None
     """Leave after this many inner steps."""
+    wait_peers: int = 0
+    """Start training only once this many learners (this one included) are live, so peers
+    started together begin together (0: start at once). Bounded by `wait_peers_timeout_s`."""
+    wait_peers_timeout_s: float = 300.0
+    """After this long the peer starts anyway (with a warning): a barrier never hangs a peer."""
     eval_batches: int = 2
     """Held-out batches evaluated after each round of fragment 0."""
     events: bool = False
@@ -164,6 +169,7 @@ class PeerDaemon:
                         "step": self.learner.progress.step,
                     }
                 )
+            self._on_loop(self._wait_for_peers(), self.options.wait_peers_timeout_s + 60)
             self._on_loop(self._join(), 600)
             self.emit(
                 {
@@ -462,6 +468,26 @@ class PeerDaemon:
                 if not await self.link.catch_up_to(fragment, latest + 1):
                     await self._download_fragment(fragment, records)
             self.swarm_rounds[fragment] = max(self.swarm_rounds[fragment], latest + 1)
+
+    async def _wait_for_peers(self) -> None:
+        """The optional start barrier: poll the membership until enough learners are live."""
+        want = self.options.wait_peers
+        if want <= 1:
+            return
+        deadline = time.monotonic() + self.options.wait_peers_timeout_s
+        live = len(learners(self.members()))
+        self.emit({"event": "waiting_for_peers", "live": live, "want": want})
+        while live < want:
+            if time.monotonic() >= deadline:
+                log.warning("starting without the awaited peers live=%d want=%d", live, want)
+                return
+            await asyncio.sleep(0.25)  # a poll period: how quickly a peer notices the last one
+            try:
+                await asyncio.wait_for(self._beat(), 30)
+            except (TimeoutError, TransportError) as exc:
+                log.warning("heartbeat failed error=%r", exc)
+            live = len(learners(self.members()))
+        self.emit({"event": "peers_ready", "live": live})
 
     async def _join(self) -> None:
         """Late joiner: download every fragment that the swarm has moved past round 0."""

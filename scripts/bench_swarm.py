@@ -144,6 +144,8 @@ def run_swarm(sets: list[str], steps: int, num: int, timeout_s: float) -> list[l
             "0",
             "--max-steps",
             str(steps),
+            "--wait-peers",
+            str(num),
             "--initial-peers",
             *maddrs,
         ]
