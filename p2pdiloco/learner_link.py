@@ -10,6 +10,7 @@ missed from other peers first. Every fault ends as a logged outcome, never an ex
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -26,6 +27,17 @@ log = logging.getLogger(__name__)
 
 MAX_CANDIDATES = 3
 """Synchronizers tried for one (round, fragment) before giving up on the window."""
+MAX_MOVES = 4
+"""`moved` redirects followed for one contribution (a window moves up the order only)."""
+
+
+def with_unreachable(frame: bytes, unreachable: list[str], limits: wire.WireLimits) -> bytes:
+    """The CONTRIBUTION `frame` with `unreachable` set in its meta (failover path only)."""
+    message = wire.decode_message(frame, limits)
+    if isinstance(message, wire.Rejected):
+        return frame
+    meta = {**message.meta, "unreachable": list(unreachable)}
+    return wire.encode_message(dataclasses.replace(message, meta=meta))
 
 
 @dataclass(frozen=True)
@@ -75,14 +87,25 @@ class LearnerLink:
         )
 
     async def contribute(self, fragment: int, target_round: int, frame: bytes) -> Outcome:
-        """Send one CONTRIBUTION frame addressed to `target_round`; apply the reply's update."""
+        """Send one CONTRIBUTION frame addressed to `target_round`; apply the reply's update.
+
+        Walks the candidates in rendezvous order; a synchronizer that answers `moved` names
+        a better-placed one, which is tried next (at most MAX_MOVES times). Candidates that
+        could not be reached are listed in the frame, so the next one does not move back.
+        """
         # A live synchronizer always answers by its window deadline plus grace and merge
         # time; only a dead or frozen one runs past this (then: failover).
         timeout_s = self.config.sync.round_deadline_s + self.config.sync.max_grace_s + 30.0
+        pending = self.candidates(target_round, fragment)[:MAX_CANDIDATES]
         tried: list[str] = []
+        unreachable: list[str] = []
+        moves = 0
         started = time.monotonic()
-        for candidate in self.candidates(target_round, fragment)[:MAX_CANDIDATES]:
+        while pending:
+            candidate = pending.pop(0)
             tried.append(candidate)
+            if unreachable:
+                frame = with_unreachable(frame, unreachable, self.limits)
             try:
                 raw = await self.transport.call(
                     candidate,
@@ -99,6 +122,7 @@ class LearnerLink:
                     fragment,
                     exc,
                 )
+                unreachable.append(candidate)
                 continue
             self.bytes_received += len(raw)
             reply = wire.decode_message(raw, self.limits)
@@ -110,6 +134,12 @@ class LearnerLink:
                 continue
             status = reply.meta["status"]
             if status == messages.BEHIND:
+                continue
+            if status == messages.MOVED:
+                moved_to = str(reply.meta.get("moved_to", ""))
+                if moves < MAX_MOVES and moved_to and moved_to not in unreachable:
+                    moves += 1
+                    pending = [moved_to, *(p for p in pending if p != moved_to)]
                 continue
             weight = 0.0
             if status == messages.MERGED:

@@ -38,13 +38,20 @@ LATE = "late"  # the round had closed; its update is attached, resend to the nex
 NO_QUORUM = "no_quorum"  # the window expired before quorum: no outer step was taken
 REJECTED = "rejected"  # the delta was refused (reason attached); the peer keeps running
 BEHIND = "behind"  # the synchronizer is behind the learner's round; try the next candidate
+MOVED = "moved"  # a better-placed synchronizer is live (named in moved_to): resend there
 MISSING = "missing"  # (get_update) this peer does not keep that update
 
 register_kind(
     MessageKind(
         CONTRIBUTE_REPLY,
         required={"peer": "str", "status": "str"},
-        optional={"reason": "str", "weight": "float", "hash": "str", "contributors": "list"},
+        optional={
+            "reason": "str",
+            "weight": "float",
+            "hash": "str",
+            "contributors": "list",
+            "moved_to": "str",
+        },
     )
 )
 register_kind(MessageKind(UPDATE_REQUEST, required={"peer": "str"}, carries_tensors=False))

@@ -6,6 +6,10 @@ until every live learner has arrived), screens and merges the deltas, encodes th
 gradient, applies the *decoded* gradient to its own replica (so every peer applies the
 same bits), publishes a round record and answers every waiting learner with the update.
 A window that never reaches quorum before its deadline closes with no outer step.
+A window that has not reached quorum moves when a better-placed synchronizer appears in
+this peer's view (peers that started together first see only themselves, and would
+otherwise each hold a window alone until the deadline): its learners are told where to
+resend. Moves only go up the rendezvous order, so they end at the top live peer.
 Every fault of a contribution becomes a logged rejection; nothing is raised to the peer.
 """
 
@@ -21,7 +25,8 @@ import torch
 
 from p2pdiloco import compress, messages, wire
 from p2pdiloco.config import RunConfig
-from p2pdiloco.membership import Heartbeat, learners
+from p2pdiloco.election import synchronizer_order
+from p2pdiloco.membership import Heartbeat, learners, synchronizer_candidates
 from p2pdiloco.messages import RoundRecord
 from p2pdiloco.outer import merge, tensor_norm, token_weights
 from p2pdiloco.state import GlobalState
@@ -68,6 +73,14 @@ class Window:
     quorum_at: float | None = None
     arrival: asyncio.Event = field(default_factory=asyncio.Event)
     result: asyncio.Future | None = None
+    unreachable: set[str] = field(default_factory=set)
+    """Better-placed synchronizers its learners could not reach (failover): not moved to."""
+
+
+def unreachable_peers(meta: dict) -> set[str]:
+    """The `unreachable` list of a contribution's meta, as a set of peer ids (junk dropped)."""
+    listed = meta.get("unreachable") or []
+    return {p for p in listed[:64] if isinstance(p, str)}
 
 
 class Synchronizer:
@@ -181,6 +194,11 @@ class Synchronizer:
             )
         if target < current:
             return self._late_reply(target, fragment)
+        unreachable = unreachable_peers(msg.meta)
+        if (target, fragment) not in self.windows:
+            moved_to = self.elected_elsewhere(target, fragment, unreachable)
+            if moved_to:
+                return self._moved_reply(target, fragment, moved_to)
         base_round = int(msg.meta["base_round"])
         reason = staleness_rejection(base_round, current, self.config.sync.max_staleness_rounds)
         if reason:
@@ -201,6 +219,7 @@ class Synchronizer:
                 reason="round already closed elsewhere",
             )
         window = self._window(target, fragment)
+        window.unreachable |= unreachable
         if caller in window.contributions:
             return self._reject(target, fragment, "already contributed to this window", caller)
         steps = int(msg.meta["steps"])
@@ -236,6 +255,30 @@ class Synchronizer:
                 messages.NO_QUORUM,
                 reason="window did not close in time",
             )
+
+    def elected_elsewhere(
+        self, round_id: int, fragment: int, unreachable: set[str] = frozenset()
+    ) -> str | None:
+        """The peer above us in the rendezvous order of (round, fragment), or None if we top it.
+
+        Peers a learner reported unreachable are skipped, so failover past a dead
+        synchronizer whose heartbeat has not expired yet still finds a window here.
+        """
+        candidates = set(synchronizer_candidates(self.members())) - unreachable
+        candidates.add(self.peer_id)
+        top = synchronizer_order(self.run, round_id, fragment, candidates)[0]
+        return None if top == self.peer_id else top
+
+    def _moved_reply(self, round_id: int, fragment: int, moved_to: str) -> bytes:
+        return messages.reply(
+            self.run,
+            round_id,
+            fragment,
+            self.peer_id,
+            messages.MOVED,
+            moved_to=moved_to,
+            reason=f"{moved_to[-8:]} is the synchronizer of this round",
+        )
 
     async def _already_closed(self, round_id: int, fragment: int) -> bool:
         """True when another synchronizer already published (round, fragment) (failover race)."""
@@ -388,6 +431,29 @@ class Synchronizer:
                     num_expected=len(expected),
                 ):
                     await self._close(window, grace_s)
+                    return
+                moved_to = (
+                    self.elected_elsewhere(window.round, window.fragment, window.unreachable)
+                    if window.quorum_at is None
+                    else None
+                )
+                if moved_to:
+                    log.info(
+                        "window moved round=%d fragment=%d to=%s arrived=%d",
+                        window.round,
+                        window.fragment,
+                        moved_to[-8:],
+                        len(arrived),
+                    )
+                    self.on_event(
+                        {
+                            "event": "window_moved",
+                            "round": window.round,
+                            "fragment": window.fragment,
+                            "to": moved_to,
+                        }
+                    )
+                    self._finish(window, self._moved_reply(window.round, window.fragment, moved_to))
                     return
                 if window.quorum_at is None and now >= deadline:
                     log.warning(

@@ -146,6 +146,7 @@ register_kind(
     MessageKind(
         CONTRIBUTION,
         required={"peer": "str", "base_round": "uint", "tokens": "uint", "steps": "uint"},
+        optional={"unreachable": "list"},
     )
 )
 register_kind(

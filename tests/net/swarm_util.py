@@ -60,6 +60,14 @@ class Events:
         except (TimeoutError, EOFError):
             pass
 
+    def drain(self, quiet_s: float = 1.0) -> None:
+        """Read every event already printed: until none comes for `quiet_s`."""
+        while True:
+            try:
+                self.seen.append(self.peer.next_event(quiet_s))
+            except (TimeoutError, EOFError):
+                return
+
     def wait(self, match: Callable[[dict[str, Any]], bool], timeout_s: float) -> dict[str, Any]:
         """The first event (seen or new) satisfying `match`; TimeoutError after `timeout_s`."""
         deadline = time.monotonic() + timeout_s

@@ -1,0 +1,139 @@
+"""Windows move up the rendezvous order; learners follow, and failover does not move back.
+
+Three synchronizers and learner links on the in-memory transport, each peer with its own
+membership view (a dict the test edits), so the split views of peers that started
+together are reproduced exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from p2pdiloco import compress, messages, wire
+from p2pdiloco.config import RunConfig, replace
+from p2pdiloco.election import synchronizer_order
+from p2pdiloco.learner_link import LearnerLink
+from p2pdiloco.membership import Heartbeat
+from p2pdiloco.state import GlobalState
+from p2pdiloco.synchronizer import Synchronizer
+from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
+
+RUN = "moves"
+CONFIG = replace(RunConfig(), sync={"min_quorum": 2, "max_grace_s": 0.2, "round_deadline_s": 30.0})
+LIMITS = wire.WireLimits()
+
+
+def fresh_state() -> GlobalState:
+    params = {"w": torch.zeros(4, 4), "b": torch.zeros(4)}
+    return GlobalState(params, [["w", "b"]], CONFIG.outer)
+
+
+class Peer:
+    """A synchronizer and a learner link sharing one transport, state and view."""
+
+    def __init__(self, network: MemoryNetwork, peer_id: str) -> None:
+        self.transport = MemoryTransport(network, peer_id)
+        self.view: dict[str, Heartbeat] = {}
+        self.events: list[dict] = []
+        self.opened = asyncio.Event()
+        self.state = fresh_state()
+        self.sync = Synchronizer(
+            self.transport, RUN, CONFIG, self.state, lambda: self.view, LIMITS, self.on_event
+        )
+        self.link = LearnerLink(self.transport, RUN, CONFIG, self.state, lambda: self.view, LIMITS)
+
+    def on_event(self, event: dict) -> None:
+        self.events.append(event)
+        if event["event"] == "window_open":
+            self.opened.set()
+
+    def sees(self, *peer_ids: str) -> None:
+        self.view = {p: Heartbeat(peer_id=p, status="training") for p in peer_ids}
+
+    def frame(self, scale: float) -> bytes:
+        delta = {"w": torch.full((4, 4), scale), "b": torch.full((4,), scale)}
+        message = wire.Message(
+            kind=wire.CONTRIBUTION,
+            run=RUN,
+            round=0,
+            fragment=0,
+            meta={"peer": self.transport.peer_id, "base_round": 0, "tokens": 64, "steps": 2},
+            tensors=compress.encode_tensors(compress.make_codec("fp32"), delta),
+        )
+        return wire.encode_message(message)
+
+
+async def three_peers() -> tuple[MemoryNetwork, Peer, Peer, Peer]:
+    """(network, top, second, third) in the rendezvous order of (round 0, fragment 0)."""
+    network = MemoryNetwork()
+    ids = [network.new_peer_id() for _ in range(3)]
+    top, second, third = synchronizer_order(RUN, 0, 0, ids)
+    peers = [Peer(network, p) for p in (top, second, third)]
+    for peer in peers:
+        await peer.transport.start()
+        await peer.sync.start()
+    return network, *peers
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_a_window_held_alone_moves_to_the_better_placed_peer_once_it_is_seen() -> None:
+    async def scenario() -> None:
+        _, top, second, third = await three_peers()
+        everyone = (top.transport.peer_id, second.transport.peer_id, third.transport.peer_id)
+        top.sees(*everyone)
+        third.sees(*everyone)
+        second.sees(second.transport.peer_id)  # started together: sees only itself
+        alone = asyncio.create_task(second.link.contribute(0, 0, second.frame(1.0)))
+        await second.opened.wait()
+        second.sees(*everyone)  # its heartbeats arrive
+        other = asyncio.create_task(third.link.contribute(0, 0, third.frame(3.0)))
+        outcomes = await asyncio.gather(alone, other)
+        for outcome in outcomes:
+            assert outcome.status == messages.MERGED
+            assert outcome.synchronizer == top.transport.peer_id
+        moved = [e for e in second.events if e["event"] == "window_moved"]
+        assert moved and moved[0]["to"] == top.transport.peer_id
+        # one outer step from both deltas, the same on every replica that applied it
+        assert second.state.round_of(0) == third.state.round_of(0) == top.state.round_of(0) == 1
+        assert second.state.applied_hashes[0][0] == top.state.applied_hashes[0][0]
+
+    run(scenario())
+
+
+def test_a_peer_below_the_top_refuses_to_open_a_window_and_names_the_top() -> None:
+    async def scenario() -> None:
+        _, top, second, _third = await three_peers()
+        second.sees(top.transport.peer_id, second.transport.peer_id)
+        raw = await top.transport.call(
+            second.transport.peer_id, f"{RUN}.{messages.RPC_CONTRIBUTE}", top.frame(1.0), 10
+        )
+        reply = wire.decode_message(raw, LIMITS)
+        assert reply.meta["status"] == messages.MOVED
+        assert reply.meta["moved_to"] == top.transport.peer_id
+        assert not second.sync.windows
+
+    run(scenario())
+
+
+def test_failover_past_a_dead_top_that_is_still_in_the_views_does_not_move_back() -> None:
+    async def scenario() -> None:
+        network, top, second, third = await three_peers()
+        everyone = (top.transport.peer_id, second.transport.peer_id, third.transport.peer_id)
+        for peer in (second, third):
+            peer.sees(*everyone)  # the dead peer's heartbeat has not expired yet
+        network.kill(top.transport.peer_id)
+        outcomes = await asyncio.gather(
+            second.link.contribute(0, 0, second.frame(1.0)),
+            third.link.contribute(0, 0, third.frame(3.0)),
+        )
+        for outcome in outcomes:
+            assert outcome.status == messages.MERGED
+            assert outcome.synchronizer == second.transport.peer_id
+        assert not [e for e in second.events if e["event"] == "window_moved"]
+
+    run(scenario())
