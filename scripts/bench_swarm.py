@@ -75,6 +75,7 @@ def lone_worker(sets: list[str], steps: int, rank: int) -> None:
         torch.device("cpu"),
     )
     print(json.dumps({"ready": True}), flush=True)
+    sys.stdin.readline()  # the start barrier: every lone learner begins at once, as the peers do
     started = time.monotonic()
     for _ in range(steps):
         trainer.step(batches)
@@ -108,6 +109,7 @@ def run_lone(sets: list[str], steps: int, num: int) -> list[dict]:
                 str(steps),
                 *sum((["--set", s] for s in sets), []),
             ],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             env=_env(),
@@ -115,6 +117,13 @@ def run_lone(sets: list[str], steps: int, num: int) -> list[dict]:
         )
         for i in range(num)
     ]
+    for proc in procs:
+        assert proc.stdout is not None
+        proc.stdout.readline()  # {"ready": true}
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
     return [next(e for e in _read_events(p) if e.get("event") == "summary") for p in procs]
 
 
@@ -137,8 +146,6 @@ def run_swarm(sets: list[str], steps: int, num: int, timeout_s: float) -> list[l
             "join",
             "--events",
             "--threads",
-            "1",
-            "--heartbeat-s",
             "1",
             "--eval-batches",
             "0",
