@@ -104,6 +104,20 @@ def wait_all(logs: list[Events], match: Callable[[dict[str, Any]], bool], timeou
         log.wait(match, max(deadline - time.monotonic(), 1.0))
 
 
+def wait_any(
+    logs: list[Events], match: Callable[[dict[str, Any]], bool], timeout_s: float
+) -> dict[str, Any]:
+    """The first event satisfying `match` in any of the logs; TimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for log in logs:
+            found = next((e for e in log.seen if match(e)), None)
+            if found is not None:
+                return found
+            log.pump(0.2)
+    raise TimeoutError(f"no matching event in any of {len(logs)} logs in {timeout_s}s")
+
+
 def applied(round_id: int, fragment: int = 0) -> Callable[[dict[str, Any]], bool]:
     return lambda e: (
         e.get("event") == "applied" and e["fragment"] == fragment and e["round"] >= round_id

@@ -10,7 +10,15 @@ from __future__ import annotations
 import pytest
 
 from .harness import start_peer_process
-from .swarm_util import Events, applied, join_args, start_bootstrap, start_learners, wait_all
+from .swarm_util import (
+    Events,
+    applied,
+    join_args,
+    start_bootstrap,
+    start_learners,
+    wait_all,
+    wait_any,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -174,11 +182,25 @@ def test_nan_and_malformed_contributions_are_rejected_and_the_run_goes_on() -> N
         2: ["--corrupt", "nan", "--corrupt-rounds", "1"],
         3: ["--corrupt", "garbage", "--corrupt-rounds", "1"],
     }
-    # a long grace keeps round 0 open until the faulty peers' contributions have arrived
+    # the barrier lines the peers up and a long grace keeps round 0 open until the faulty
+    # peers' contributions have arrived
     sets = ["sync.min_quorum=2", "sync.overlap_steps=100000", "sync.max_grace_s=15"]
-    peers = start_learners(4, boot.maddrs, sets=sets, per_peer=lambda i: faults.get(i, []))
+    peers = start_learners(
+        4,
+        boot.maddrs,
+        sets=sets,
+        flags=["--wait-peers", "4"],
+        per_peer=lambda i: faults.get(i, []),
+    )
     logs = [Events(p) for p in peers]
     wait_all(logs, applied(2), ROUND_WAIT_S)
+    for faulty in (peers[2], peers[3]):
+        # a delta that reached its window late is rejected where its resend lands
+        wait_any(
+            logs,
+            lambda e, p=faulty: e.get("event") == "rejected" and e["peer"] == p.peer_id,
+            ROUND_WAIT_S,
+        )
     rejected = [e for log in logs for e in log.of("rejected")]
     reasons = {e["peer"]: e["reason"] for e in rejected}
     assert (
