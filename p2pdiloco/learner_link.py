@@ -104,8 +104,6 @@ class LearnerLink:
         while pending:
             candidate = pending.pop(0)
             tried.append(candidate)
-            if unreachable:
-                frame = with_unreachable(frame, unreachable, self.limits)
             try:
                 raw = await self.transport.call(
                     candidate,
@@ -123,6 +121,7 @@ class LearnerLink:
                     exc,
                 )
                 unreachable.append(candidate)
+                frame = with_unreachable(frame, unreachable, self.limits)
                 continue
             self.bytes_received += len(raw)
             reply = wire.decode_message(raw, self.limits)

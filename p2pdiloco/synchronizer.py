@@ -432,29 +432,13 @@ class Synchronizer:
                 ):
                     await self._close(window, grace_s)
                     return
-                moved_to = (
-                    self.elected_elsewhere(window.round, window.fragment, window.unreachable)
-                    if window.quorum_at is None
-                    else None
-                )
-                if moved_to:
-                    log.info(
-                        "window moved round=%d fragment=%d to=%s arrived=%d",
-                        window.round,
-                        window.fragment,
-                        moved_to[-8:],
-                        len(arrived),
+                if window.quorum_at is None:
+                    moved_to = self.elected_elsewhere(
+                        window.round, window.fragment, window.unreachable
                     )
-                    self.on_event(
-                        {
-                            "event": "window_moved",
-                            "round": window.round,
-                            "fragment": window.fragment,
-                            "to": moved_to,
-                        }
-                    )
-                    self._finish(window, self._moved_reply(window.round, window.fragment, moved_to))
-                    return
+                    if moved_to:
+                        self._move(window, moved_to)
+                        return
                 if window.quorum_at is None and now >= deadline:
                     log.warning(
                         "no quorum round=%d fragment=%d arrived=%d needed=%d",
@@ -488,6 +472,25 @@ class Synchronizer:
             self._finish(
                 window, self._reply(window, messages.NO_QUORUM, reason=f"synchronizer fault: {exc}")
             )
+
+    def _move(self, window: Window, moved_to: str) -> None:
+        """Close a window without quorum, telling its learners where to resend."""
+        log.info(
+            "window moved round=%d fragment=%d to=%s arrived=%d",
+            window.round,
+            window.fragment,
+            moved_to[-8:],
+            len(window.contributions),
+        )
+        self.on_event(
+            {
+                "event": "window_moved",
+                "round": window.round,
+                "fragment": window.fragment,
+                "to": moved_to,
+            }
+        )
+        self._finish(window, self._moved_reply(window.round, window.fragment, moved_to))
 
     def _reply(self, window: Window, status: str, **meta) -> bytes:
         return messages.reply(self.run, window.round, window.fragment, self.peer_id, status, **meta)
