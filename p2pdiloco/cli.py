@@ -238,9 +238,6 @@ def cmd_join(args: argparse.Namespace) -> int:
     try:
         return daemon.run()
     finally:
-        # The peer has left. Python resets its handlers to the default during teardown, so a
-        # stop signal arriving then would turn this clean exit into death by SIGTERM.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         progress.close()
 
 
