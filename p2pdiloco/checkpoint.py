@@ -3,16 +3,24 @@
 The global state (parameters, momentum, rounds) is downloaded from live peers on join;
 a checkpoint keeps the rest: the local replica, the inner optimizer (AdamW moments),
 the error-feedback residuals (what the codec has not yet sent) and the loop's counters.
-Written atomically (temporary file, then rename), so a crash never leaves half a file.
+
+Written durably and atomically: a uniquely named temporary file in the same directory is
+written and fsynced, renamed onto the final name, then the directory is fsynced. A crash
+(even SIGKILL or a power cut) leaves either the previous complete file or the new one,
+never half a file; the crashed writer's temporary file is removed by the next save/load.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
+import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -21,6 +29,97 @@ from p2pdiloco.errors import ConfigError
 log = logging.getLogger(__name__)
 
 FILE_NAME = "learner.pt"
+TMP_SUFFIX = ".tmp"
+PAYLOAD_KEYS = ("config_hash", "model", "optimizer", "step_index", "feedback", "progress")
+
+_live_lock = threading.Lock()
+_live_tmp: set[Path] = set()
+"""Temporary files this process is writing right now: never taken for a crashed writer's."""
+
+
+def _tmp_prefix(path: Path) -> str:
+    """`.learner.` for `learner.pt`: hidden, and tied to the file it will become."""
+    return f".{path.stem}."
+
+
+def remove_stale_temp_files(path: str | Path) -> int:
+    """Remove temporary files a crashed writer of `path` left beside it; returns how many.
+
+    Only one process is expected to write a given checkpoint directory; files this
+    process is writing at the moment are kept.
+    """
+    path = Path(path)
+    removed = 0
+    try:
+        candidates = list(path.parent.glob(f"{_tmp_prefix(path)}*{TMP_SUFFIX}"))
+    except OSError:
+        return 0
+    for stale in candidates:
+        with _live_lock:
+            if stale in _live_tmp:
+                continue
+        try:
+            stale.unlink()
+            removed += 1
+            log.info("stale temp file removed path=%s", stale)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("stale temp file not removed path=%s error=%r", stale, exc)
+    return removed
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename in `directory` durable (POSIX: fsync the directory itself)."""
+    if os.name == "nt":  # no directory handles to fsync; NTFS journals the rename
+        return
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        # Some filesystems (certain network/FUSE mounts) cannot fsync a directory.
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+        log.debug("directory fsync unsupported path=%s error=%r", directory, exc)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write `path` through `write(file)`: temp file, fsync, rename, fsync the directory.
+
+    On any failure the temporary file is removed and the exception propagates; the
+    previous content of `path`, if any, is left as it was.
+    """
+    remove_stale_temp_files(path)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=_tmp_prefix(path), suffix=TMP_SUFFIX)
+    tmp = Path(tmp_name)
+    with _live_lock:
+        _live_tmp.add(tmp)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    finally:
+        with _live_lock:
+            _live_tmp.discard(tmp)
+    _fsync_directory(path.parent)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Replace `path` with `data` durably and atomically (readers see old or new, whole).
+
+    The directory must exist. Raises OSError on failure, leaving the old file in place.
+    """
+    _atomic_write(Path(path), lambda file: file.write(data))
 
 
 def save_learner(directory: str | Path, learner: Any, config_hash: str) -> Path:
@@ -43,16 +142,54 @@ def save_learner(directory: str | Path, learner: Any, config_hash: str) -> Path:
         "progress": progress,
     }
     path = directory / FILE_NAME
-    tmp = path.with_suffix(".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
+    _atomic_write(path, lambda file: torch.save(payload, file))
     log.info("checkpoint saved path=%s step=%d", path, learner.progress.step)
     return path
 
 
+def _payload_problem(payload: Any, learner: Any) -> str | None:
+    """Why `payload` cannot be applied to `learner` (checked before anything is changed)."""
+    if not isinstance(payload, dict):
+        return f"payload is a {type(payload).__name__}, not a dict"
+    missing = [key for key in PAYLOAD_KEYS if key not in payload]
+    if missing:
+        return f"missing keys {missing}"
+    for key in ("model", "optimizer", "feedback", "progress"):
+        if not isinstance(payload[key], dict):
+            return f"{key} is a {type(payload[key]).__name__}, not a dict"
+    if not isinstance(payload["step_index"], int) or isinstance(payload["step_index"], bool):
+        return "step_index is not an int"
+    expected = learner.trainer.model.state_dict()
+    saved = payload["model"]
+    if set(saved) != set(expected):
+        return f"model keys differ ({len(saved)} saved, {len(expected)} expected)"
+    for name, tensor in expected.items():
+        value = saved[name]
+        if not isinstance(value, torch.Tensor) or value.shape != tensor.shape:
+            return f"model tensor {name} has another shape or type"
+    optimizer = learner.trainer.optimizer
+    if isinstance(optimizer, torch.optim.Optimizer):
+        groups = payload["optimizer"].get("param_groups")
+        if not isinstance(groups, list) or not isinstance(payload["optimizer"].get("state"), dict):
+            return "optimizer state lacks state or param_groups"
+        sizes = [len(g["params"]) for g in optimizer.param_groups]
+        try:
+            saved_sizes = [len(g["params"]) for g in groups]
+        except (TypeError, KeyError):
+            return "optimizer param_groups malformed"
+        if saved_sizes != sizes:
+            return f"optimizer groups differ (saved {saved_sizes}, expected {sizes})"
+    return None
+
+
 def load_learner(directory: str | Path, learner: Any, config_hash: str) -> bool:
-    """Restore `learner`'s local state if a checkpoint of the same run config exists."""
+    """Restore `learner`'s local state if a checkpoint of the same run config exists.
+
+    A missing, truncated, corrupt or foreign checkpoint is logged and reported as False
+    (start fresh) before anything in `learner` is changed; it never raises for those.
+    """
     path = Path(directory) / FILE_NAME
+    remove_stale_temp_files(path)
     if not path.exists():
         return False
     try:
@@ -60,11 +197,21 @@ def load_learner(directory: str | Path, learner: Any, config_hash: str) -> bool:
     except Exception as exc:  # noqa: BLE001 - a corrupt file is reported, never fatal
         log.warning("checkpoint unreadable path=%s error=%r: starting fresh", path, exc)
         return False
-    if payload.get("config_hash") != config_hash:
+    if isinstance(payload, dict) and payload.get("config_hash") != config_hash:
         log.warning("checkpoint of another run config path=%s: starting fresh", path)
         return False
-    learner.trainer.model.load_state_dict(payload["model"])
-    learner.trainer.optimizer.load_state_dict(payload["optimizer"])
+    problem = _payload_problem(payload, learner)
+    if problem is not None:
+        log.warning("checkpoint malformed path=%s problem=%r: starting fresh", path, problem)
+        return False
+    try:
+        learner.trainer.model.load_state_dict(payload["model"])
+        learner.trainer.optimizer.load_state_dict(payload["optimizer"])
+    except Exception as exc:  # noqa: BLE001 - reported; the model may already be changed
+        raise ConfigError(
+            f"checkpoint {path} matches this run config but cannot be applied ({exc}); "
+            "move it away to start fresh"
+        ) from None
     learner.trainer.step_index = int(payload["step_index"])
     if learner.feedback is not None:
         learner.feedback.load_state_dict(payload["feedback"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -222,10 +223,18 @@ def cmd_join(args: argparse.Namespace) -> int:
         straggle_rounds=args.straggle_rounds,
         corrupt=args.corrupt or "",
         corrupt_rounds=args.corrupt_rounds,
+        crash_at=args.crash_at or os.environ.get("P2PDILOCO_CRASH_AT", ""),
+        checkpoint_every_s=args.checkpoint_every_s,
         torch_threads=args.threads,
         eval_batches=args.eval_batches,
         startup_timeout_s=args.startup_timeout_s,
     )
+    from p2pdiloco.faults import parse_crash_at
+
+    try:
+        parse_crash_at(options.crash_at)
+    except ValueError as exc:
+        raise ConfigError(f"--crash-at: {exc}") from None
     progress = _PhaseProgress()
     daemon = PeerDaemon(config, options, make_transport_for(options), on_progress=progress.update)
 
@@ -609,6 +618,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     faults.add_argument(
         "--corrupt-rounds", type=int, default=0, help="rounds affected by --corrupt"
+    )
+    join.add_argument(
+        "--crash-at",
+        help="fault injection: PHASE[:ROUND], SIGKILL this peer at that phase of a commit "
+        "(after_quorum, during_merge, after_hold, after_record, after_first_reply); "
+        "also P2PDILOCO_CRASH_AT",
+    )
+    join.add_argument(
+        "--checkpoint-every-s", type=float, default=60.0,
+        help="seconds between periodic checkpoints (with --checkpoint-dir)",
     )
     join.set_defaults(handler=cmd_join)
 

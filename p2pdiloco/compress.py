@@ -13,6 +13,10 @@ its size is what codec, shape and meta imply (the wire calls it on untrusted hea
     +zstd                an optional lossless zstd stage on top of any of them
 
 Byte layouts and expected errors are in docs/protocol.md ("Codecs").
+
+Decoding feeds the global state, so every decoder is bit-identical on every CPU kernel set:
+exact casts and at most one elementwise multiply per value, no fused op and no
+floating-point reduction (docs/arithmetic.md). Encoding runs on one learner and need not be.
 """
 
 from __future__ import annotations
@@ -199,6 +203,7 @@ class _CastCodec(Codec):
         values = _from_le(encoded.payload, self._wire_dtype, numel)
         if self._dtype == torch.bfloat16:
             values = values.view(torch.bfloat16)
+        # fp16/bf16 -> fp32 is exact (subnormals included): the same bits on every CPU
         return values.to(torch.float32, copy=True).reshape(encoded.shape)
 
     def raw_payload_bytes(self, numel: int, meta: Mapping[str, Any]) -> int:
@@ -367,6 +372,7 @@ class _IntCodec(_BlockCodec):
         return scaled.round_().clamp_(-self._qmax, self._qmax).to(torch.int8)
 
     def _dequantize(self, codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+        # code -> fp32 is exact, then one correctly rounded multiply: bit-identical everywhere
         torch.mul(codes, scale.unsqueeze(1), out=out)
 
     def _pack(self, codes: torch.Tensor) -> bytes:
@@ -415,6 +421,7 @@ class _Fp4Codec(_BlockCodec):
         return level.mul_(nonzero).bitwise_or_(sign).view(torch.int8)
 
     def _dequantize(self, codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+        # a table lookup (0 or +-2^-k), then one correctly rounded multiply by the scale
         torch.mul(_FP4_TABLE[codes.long()], scale.unsqueeze(1), out=out)
 
     def _pack(self, codes: torch.Tensor) -> bytes:
@@ -516,10 +523,10 @@ class _TopkCodec(Codec):
             # Indices must be strictly increasing and inside the tensor: no duplicates.
             if k > 1 and bool((gaps[1:] == 0).any()):
                 raise ValueError("topk indices repeat (a gap after the first is 0)")
-            index = torch.cumsum(gaps, 0)
+            index = torch.cumsum(gaps, 0)  # int64: exact in any order
             if int(index[-1]) >= n:
                 raise ValueError(f"topk index {int(index[-1])} is outside a tensor of {n}")
-            out[index] = codes.to(torch.float32) * scale
+            out[index] = codes.to(torch.float32) * scale  # exact cast, one multiply
         return out.reshape(encoded.shape)
 
 

@@ -207,8 +207,17 @@ class SyncConfig:
     """overwrite (paper), rebase (keep in-flight progress) or mix (blend with mix_alpha)."""
     mix_alpha: float = 0.5
     """Weight of the global fragment in `mix` mode."""
+    commit_holders: int = 1
+    """R: peers besides the synchronizer that must hold a round's update before the round
+    is committed (fewer when fewer other learners are live), so it survives the
+    synchronizer's death."""
 
     def __post_init__(self) -> None:
+        _check(
+            self.commit_holders >= 0,
+            "sync.commit_holders",
+            f"must be >= 0, got {self.commit_holders}",
+        )
         _check(self.inner_steps >= 1, "sync.inner_steps", f"must be >= 1, got {self.inner_steps}")
         _check(
             1 <= self.num_fragments <= self.inner_steps,

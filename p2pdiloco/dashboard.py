@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from p2pdiloco.membership import Heartbeat, live_members, members_key
-from p2pdiloco.messages import RoundRecord, decode_round_record, rounds_key
+from p2pdiloco.rounds import RoundRecord, decode_round_record, rounds_key
 
 SPARK = "▁▂▃▄▅▆▇█"
 

@@ -1,26 +1,21 @@
 """`p2pdiloco demo`: a local swarm on this machine, as separate processes on 127.0.0.1.
 
 A bootstrap node and N learner peers (`p2pdiloco join`) are started in their own
-process groups; their JSON event lines are read in background threads. `LocalSwarm`
-owns the children: `shutdown()` stops every one of them (SIGTERM, then SIGKILL of the
-group), and runs on Ctrl-C too.
+process groups by `p2pdiloco.launcher`, which reads their JSON event lines in background
+threads. `LocalSwarm` owns the children: `shutdown()` stops every one of them (SIGTERM,
+then SIGKILL of the group), and runs on Ctrl-C too.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
 import sys
-import tempfile
-import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from p2pdiloco.errors import NetworkSetupError
+from p2pdiloco.launcher import Child, ChildFailedToStart
+
+__all__ = ["DEMO_RUN", "Child", "LocalSwarm"]
 
 DEMO_RUN = [
     "model.preset='small'",
@@ -33,33 +28,6 @@ DEMO_RUN = [
     "data.max_files=400",
 ]
 """The embedded demo run: the `small` model on the stdlib corpus, H=20, quorum 2."""
-
-
-@dataclass
-class Child:
-    """One child process and the events it printed."""
-
-    name: str
-    popen: subprocess.Popen
-    stderr_path: str
-    events: list[dict[str, Any]] = field(default_factory=list)
-    ready: threading.Event = field(default_factory=threading.Event)
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def first(self, kind: str) -> dict[str, Any] | None:
-        return next((e for e in list(self.events) if e.get("event") == kind), None)
-
-    def of(self, kind: str) -> list[dict[str, Any]]:
-        return [e for e in list(self.events) if e.get("event") == kind]
-
-    def stderr_tail(self, num_bytes: int = 2000) -> str:
-        try:
-            data = Path(self.stderr_path).read_bytes()
-        except OSError:
-            return ""
-        return data[-num_bytes:].decode(errors="replace")
 
 
 class LocalSwarm:
@@ -77,45 +45,17 @@ class LocalSwarm:
         self.bootstrap_maddrs: list[str] = []
 
     def _spawn(self, name: str, args: list[str]) -> Child:
-        env = os.environ.copy()
-        env["PYTHONUNBUFFERED"] = "1"
-        fd, stderr_path = tempfile.mkstemp(prefix=f"p2pdiloco-{name}-", suffix=".log")
-        with os.fdopen(fd, "wb") as stderr:
-            popen = subprocess.Popen(
-                [self.python, "-m", "p2pdiloco", *args],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                text=True,
-                env=env,
-                start_new_session=True,  # its own group: shutdown() reaches its daemons too
-            )
-        child = Child(name, popen, stderr_path)
-        threading.Thread(target=self._read, args=(child,), daemon=True).start()
-        return child
+        return Child.spawn([self.python, "-m", "p2pdiloco", *args], name)
 
     @staticmethod
-    def _read(child: Child) -> None:
-        assert child.popen.stdout is not None
-        for line in child.popen.stdout:
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(event, dict):
-                if "ready" in event:
-                    child.events.append({"event": "ready", **event})
-                    child.ready.set()
-                else:
-                    child.events.append(event)
-        child.ready.set()
-
-    def _wait_ready(self, child: Child, timeout_s: float) -> dict[str, Any]:
-        if not child.ready.wait(timeout_s) or not child.first("ready"):
+    def _wait_ready(child: Child, timeout_s: float) -> dict[str, Any]:
+        try:
+            return child.wait_ready(timeout_s)
+        except ChildFailedToStart:
+            last = child.stderr_tail(400).strip().splitlines()[-1:] or "no output"
             raise NetworkSetupError(
-                f"{child.name} did not start within {timeout_s:.0f}s: {child.stderr_tail(400).strip().splitlines()[-1:] or 'no output'}"
-            )
-        return child.first("ready") or {}
+                f"{child.name} did not start within {timeout_s:.0f}s: {last}"
+            ) from None
 
     def start(self, timeout_s: float = 300.0) -> None:
         """Start the bootstrap node, then every learner at once; wait until all are ready."""
@@ -149,29 +89,17 @@ class LocalSwarm:
         return any(child.alive() for child in self.learners)
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Stop every child: SIGTERM (clean leave), then SIGKILL of its process group."""
+        """Stop every child: SIGTERM (clean leave), then SIGKILL of its process group.
+
+        A child that already left by itself (its "stopped" line) is not signalled again.
+        """
         children = [*self.learners, *([self.bootstrap] if self.bootstrap else [])]
         for child in children:
-            if child.alive():
-                child.popen.send_signal(signal.SIGTERM)
+            child.request_stop()
         deadline = time.monotonic() + timeout_s
         for child in children:
-            try:
-                child.popen.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(child.popen.pid, signal.SIGKILL)  # whatever it spawned, too
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                child.popen.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.unlink(child.stderr_path)
-            except OSError:
-                pass
+            child.wait_exit(max(deadline - time.monotonic(), 0.1))
+            child.reap()  # whatever it spawned, too
 
     def replicas_identical(self) -> bool:
         """Whether every (fragment, round) applied by several peers has a single hash."""

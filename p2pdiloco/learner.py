@@ -44,6 +44,8 @@ class InFlight:
     steps: int
     tensors: dict[str, compress.EncodedTensor]
     resent: bool = False
+    weight: float = 0.0
+    """Merge weight the synchronizer reported (booked once the record settles it)."""
 
 
 @dataclass
@@ -109,6 +111,14 @@ class Learner:
         self.received: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         self._shipped_local: dict[int, dict[str, torch.Tensor]] = {}
         self._params = dict(trainer.model.named_parameters())
+        self.bases: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
+        """Per fragment, the global (round, parameters) the replica last took over: the
+        base its delta is taken against (the global state may have moved on since)."""
+        self.awaiting: dict[tuple[int, int], InFlight] = {}
+        """Deltas a synchronizer reported merged, until the canonical record settles them."""
+        self.committed: queue.SimpleQueue[tuple[int, int, frozenset[str]]] = queue.SimpleQueue()
+        """(fragment, round, contributors) of each committed round the replica reached."""
+        self._settled: dict[int, dict[int, frozenset[str]]] = {f: {} for f in range(state.num_fragments)}
         state.listeners.append(lambda fragment, round_id: self.received.put((fragment, round_id)))
         self.load_global_into_model(range(num_fragments))
 
@@ -120,6 +130,7 @@ class Learner:
         max_rounds: int | None = None,
         max_steps: int | None = None,
         rounds_reached: Callable[[], list[int]] | None = None,
+        every_step: Callable[[], None] = lambda: None,
     ) -> None:
         """Train until `stop` is set, every fragment reached `max_rounds` (by our replica or,
         through `rounds_reached`, by the swarm's records), or `max_steps` inner steps."""
@@ -163,6 +174,8 @@ class Learner:
                     }
                 )
 
+            every_step()  # the daemon's periodic work on this thread (checkpoints)
+
             # stop
             if max_rounds is not None and min(rounds_reached()) >= max_rounds:
                 break
@@ -188,7 +201,7 @@ class Learner:
         """Encode this fragment's delta against its global base and hand it to the network."""
         if fragment in self.in_flight or self.progress.c_steps[fragment] == 0:
             return  # the previous one is still on its way; the next schedule takes both
-        base_round, base = self.state.fragment_params(fragment)
+        base_round, base = self.bases[fragment]
         local = {n: self._params[n].detach().float().cpu() for n in base}
         delta = {n: base[n] - local[n] for n in base}
         if not all(bool(torch.isfinite(t).all()) for t in delta.values()):
@@ -270,22 +283,58 @@ class Learner:
                 }
             )
             if outcome.status == MERGED:
-                self.progress.rounds_contributed += 1
-                self.progress.tokens_contributed += item.tokens
-                self.progress.last_weight = outcome.weight
+                item.weight = outcome.weight
+                self.awaiting[(fragment, item.target_round)] = item
                 self.progress.status = "training"
-            elif outcome.status == LATE and not item.resent:
-                # Missed the window: the same delta joins the next round, one round stale.
-                self.progress.status = "straggling"
-                next_round = self.state.round_of(fragment)
-                if (
-                    next_round > item.target_round
-                    and next_round - item.base_round <= self.config.sync.max_staleness_rounds
-                ):
-                    item.target_round, item.resent = next_round, True
-                    self._send(fragment, item)
+            elif outcome.status == LATE:
+                self.resend(fragment, item)
             else:
                 self.progress.status = "training"
+        self.settle()
+
+    def resend(self, fragment: int, item: InFlight) -> None:
+        """A delta that no committed round holds goes to the next round, once, if not too stale."""
+        next_round = self.state.round_of(fragment)
+        if (
+            not item.resent
+            and next_round > item.target_round
+            and next_round - item.base_round <= self.config.sync.max_staleness_rounds
+            and fragment not in self.in_flight
+        ):
+            self.progress.status = "straggling"
+            item.target_round, item.resent = next_round, True
+            self._send(fragment, item)
+        else:
+            self.progress.status = "training"
+            self.on_event({"event": "delta_dropped", "fragment": fragment, "round": item.target_round})
+
+    def settle(self) -> None:
+        """Book merged deltas once the canonical record of their round lists this peer;
+        resend those that only a losing (rival) update merged."""
+        while True:
+            try:
+                fragment, round_id, contributors = self.committed.get_nowait()
+            except queue.Empty:
+                break
+            settled = self._settled[fragment]
+            settled[round_id] = contributors
+            for old in [r for r in settled if r < round_id - 64]:
+                del settled[old]
+        for (fragment, round_id), item in list(self.awaiting.items()):
+            contributors = self._settled[fragment].get(round_id)
+            if contributors is None:
+                continue
+            del self.awaiting[(fragment, round_id)]
+            if self.peer_id in contributors:
+                self.progress.rounds_contributed += 1
+                self.progress.tokens_contributed += item.tokens
+                self.progress.last_weight = item.weight
+            else:
+                log.warning(
+                    "delta merged only in a losing update fragment=%d round=%d: resending",
+                    fragment, item.target_round,
+                )
+                self.resend(fragment, item)
 
     def take_over_updates(self) -> None:
         """Take over fragments whose global update was applied; reset their counters."""
@@ -318,7 +367,8 @@ class Learner:
         """On receive: overwrite (default), rebase the progress since shipping, or mix."""
         mode, alpha = self.config.sync.on_receive, self.config.sync.mix_alpha
         for fragment in fragments:
-            _round, global_params = self.state.fragment_params(fragment)
+            base_round, global_params = self.state.fragment_params(fragment)
+            self.bases[fragment] = (base_round, global_params)
             shipped = self._shipped_local.pop(fragment, None)
             for name, value in global_params.items():
                 param = self._params[name]

@@ -1,10 +1,12 @@
-"""A learner's side of the network: send a delta with failover, receive and apply updates.
+"""A learner's side of the network: send a delta with failover; settle it by the record.
 
 Runs on the peer's event loop, never on the training thread. `contribute` walks the
 rendezvous order of (round, fragment): the elected synchronizer first, the next one when
-a call fails or times out (failover). Replies carry the round's outer update, which is
-applied to the shared `GlobalState`; a learner that is behind fetches the updates it
-missed from other peers first. Every fault ends as a logged outcome, never an exception.
+a call fails or times out (failover), one named in a `moved` reply. Whatever the
+synchronizer answered, the committed round record is the truth: a delta is merged when
+the canonical record of its round lists it, and a synchronizer that died after
+committing is settled by reading that record. Updates are applied through
+`ReplicaSync`; every fault ends as a logged outcome, never an exception.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from p2pdiloco import compress, messages, wire
+from p2pdiloco import messages, wire
 from p2pdiloco.config import RunConfig
 from p2pdiloco.election import synchronizer_order
 from p2pdiloco.membership import Heartbeat, synchronizer_candidates
-from p2pdiloco.state import GlobalState
+from p2pdiloco.replica_sync import ReplicaSync
+from p2pdiloco.rounds import RoundRecord, decode_round_record
 from p2pdiloco.transport.base import Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -58,27 +61,36 @@ class Outcome:
 
 
 class LearnerLink:
-    """Contributions out, updates in, for one peer."""
+    """Contributions out, settled by committed records, for one peer."""
 
     def __init__(
         self,
         transport: Transport,
         run: str,
         config: RunConfig,
-        state: GlobalState,
+        replicas: ReplicaSync,
         members: Callable[[], dict[str, Heartbeat]],
         limits: wire.WireLimits,
     ) -> None:
         self.transport = transport
         self.run = run
         self.config = config
-        self.state = state
+        self.replicas = replicas
         self.members = members
         self.limits = limits
-        self._apply_lock = asyncio.Lock()
         self.bytes_received = 0
-        self.diverged: set[int] = set()
-        """Fragments whose replica no longer matches the swarm: re-download their state."""
+
+    @property
+    def call_timeout_s(self) -> float:
+        """A live synchronizer answers by its deadline plus grace, merge and commit time;
+        only a dead or frozen one runs past this (then: failover)."""
+        sync = self.config.sync
+        return sync.round_deadline_s + sync.max_grace_s + 30.0
+
+    @property
+    def overall_timeout_s(self) -> float:
+        """Bound on one contribution, every candidate and move included."""
+        return 2 * self.call_timeout_s + 30.0
 
     def candidates(self, round_id: int, fragment: int) -> list[str]:
         """Failover order of synchronizers for (round, fragment) in this peer's view."""
@@ -87,20 +99,24 @@ class LearnerLink:
         )
 
     async def contribute(self, fragment: int, target_round: int, frame: bytes) -> Outcome:
-        """Send one CONTRIBUTION frame addressed to `target_round`; apply the reply's update.
+        """Send one CONTRIBUTION frame for `target_round`, bounded by `overall_timeout_s`."""
+        started = time.monotonic()
+        try:
+            return await asyncio.wait_for(
+                self._contribute(fragment, target_round, frame, started), self.overall_timeout_s
+            )
+        except TimeoutError:
+            settled = await self._settle_by_record(fragment, target_round, "", started, len(frame), 0)
+            return settled or Outcome(
+                "unreachable", target_round, fragment, reason="contribution timed out",
+                latency_s=time.monotonic() - started,
+            )
 
-        Walks the candidates in rendezvous order; a synchronizer that answers `moved` names
-        a better-placed one, which is tried next (at most MAX_MOVES times). Candidates that
-        could not be reached are listed in the frame, so the next one does not move back.
-        """
-        # A live synchronizer always answers by its window deadline plus grace and merge
-        # time; only a dead or frozen one runs past this (then: failover).
-        timeout_s = self.config.sync.round_deadline_s + self.config.sync.max_grace_s + 30.0
+    async def _contribute(self, fragment: int, target_round: int, frame: bytes, started: float) -> Outcome:
         pending = self.candidates(target_round, fragment)[:MAX_CANDIDATES]
         tried: list[str] = []
         unreachable: list[str] = []
         moves = 0
-        started = time.monotonic()
         while pending:
             candidate = pending.pop(0)
             tried.append(candidate)
@@ -109,26 +125,25 @@ class LearnerLink:
                     candidate,
                     f"{self.run}.{messages.RPC_CONTRIBUTE}",
                     frame,
-                    timeout_s=timeout_s,
-                    max_response_bytes=self.limits.max_frame_bytes,
+                    timeout_s=self.call_timeout_s,
+                    max_response_bytes=1 << 20,
                 )
             except TransportError as exc:
                 log.warning(
                     "synchronizer failed peer=%s round=%d fragment=%d error=%r; failing over",
-                    candidate[-8:],
-                    target_round,
-                    fragment,
-                    exc,
+                    candidate[-8:], target_round, fragment, exc,
                 )
+                # It may have died after committing: the record then settles the delta.
+                settled = await self._settle_by_record(fragment, target_round, candidate, started, len(frame), 0)
+                if settled is not None:
+                    return settled
                 unreachable.append(candidate)
                 frame = with_unreachable(frame, unreachable, self.limits)
                 continue
             self.bytes_received += len(raw)
             reply = wire.decode_message(raw, self.limits)
             if isinstance(reply, wire.Rejected) or reply.kind != messages.CONTRIBUTE_REPLY:
-                reason = (
-                    reply.reason if isinstance(reply, wire.Rejected) else f"unexpected {reply.kind}"
-                )
+                reason = reply.reason if isinstance(reply, wire.Rejected) else f"unexpected {reply.kind}"
                 log.warning("bad reply peer=%s reason=%r", candidate[-8:], reason)
                 continue
             status = reply.meta["status"]
@@ -140,122 +155,42 @@ class LearnerLink:
                     moves += 1
                     pending = [moved_to, *(p for p in pending if p != moved_to)]
                 continue
-            weight = 0.0
-            if status == messages.MERGED:
-                weight = dict((p, w) for p, w in reply.meta.get("contributors", [])).get(
-                    self.transport.peer_id, 0.0
-                )
-            if status in (messages.MERGED, messages.LATE) and reply.tensors:
-                await self.apply(fragment, target_round, reply, source=candidate)
+            record = decode_round_record(reply.meta["record"]) if "record" in reply.meta else None
+            if status in (messages.MERGED, messages.LATE):
+                if record is not None and (record.round, record.fragment) == (target_round, fragment):
+                    await self.replicas.apply_committed(record)
+                else:
+                    await self.replicas.sync_fragment(fragment)
+                record = self.replicas.committed(fragment, target_round) or record
+                status = self._status_by_record(record, status)
+            weight = record.weight_of(self.transport.peer_id) if record is not None else None
             return Outcome(
-                status,
-                target_round,
-                fragment,
-                candidate,
-                float(weight),
-                str(reply.meta.get("reason", "")),
-                len(frame),
-                len(raw),
-                time.monotonic() - started,
+                status, target_round, fragment, candidate, float(weight or 0.0),
+                str(reply.meta.get("reason", "")), len(frame), len(raw), time.monotonic() - started,
             )
-        return Outcome(
-            "unreachable", target_round, fragment, reason=f"tried {len(tried)} synchronizers"
-        )
+        return Outcome("unreachable", target_round, fragment, reason=f"tried {len(tried)} synchronizers")
 
-    async def apply(
-        self, fragment: int, round_id: int, update: wire.Message, source: str = ""
-    ) -> bool:
-        """Apply the update of (round_id, fragment) once, catching up first if behind."""
-        async with self._apply_lock:
-            current = self.state.round_of(fragment)
-            if current > round_id:
-                return True  # already applied (e.g. we were its synchronizer)
-            if current < round_id and not await self._catch_up(
-                fragment, round_id, preferred=source
-            ):
-                return False
-            return self._apply_now(fragment, round_id, update)
+    def _status_by_record(self, record: RoundRecord | None, claimed: str) -> str:
+        """merged when the canonical record lists this peer, late when it does not."""
+        if record is None:
+            return claimed
+        return messages.MERGED if record.weight_of(self.transport.peer_id) is not None else messages.LATE
 
-    def _apply_now(self, fragment: int, round_id: int, update: wire.Message) -> bool:
+    async def _settle_by_record(
+        self, fragment: int, round_id: int, synchronizer: str, started: float, sent: int, received: int
+    ) -> Outcome | None:
+        """The outcome of a delta for a round that is already committed, else None."""
         try:
-            decoded = compress.decode_tensors(update.tensors)
-            new_hash = self.state.apply_update(fragment, round_id, decoded)
-        except ValueError as exc:
-            log.warning(
-                "update refused round=%d fragment=%d reason=%r", round_id, fragment, str(exc)
-            )
-            return False
-        expected = update.meta.get("hash")
-        if expected and expected != new_hash:
-            log.error(
-                "replica diverged round=%d fragment=%d ours=%s theirs=%s",
-                round_id,
-                fragment,
-                new_hash[:12],
-                str(expected)[:12],
-            )
-            self.diverged.add(fragment)
-        if isinstance(update.meta.get("hash"), str):
-            self.state.remember_update(fragment, round_id, wire.encode_message(update))
-        log.info("applied update round=%d fragment=%d hash=%s", round_id, fragment, new_hash[:12])
-        return True
-
-    async def fetch_update(
-        self, fragment: int, round_id: int, preferred: str = ""
-    ) -> wire.Message | None:
-        """The update of (round_id, fragment) from any live peer that keeps it."""
-        request = wire.encode_message(
-            wire.Message(
-                kind=messages.UPDATE_REQUEST,
-                run=self.run,
-                round=round_id,
-                fragment=fragment,
-                meta={"peer": self.transport.peer_id},
-            )
+            chain = await self.replicas.read_chain(fragment)
+        except TransportError:
+            return None
+        record = chain.get(round_id)
+        if record is None:
+            return None
+        await self.replicas.sync_fragment(fragment, chain)
+        status = self._status_by_record(record, messages.LATE)
+        return Outcome(
+            status, round_id, fragment, record.synchronizer or synchronizer,
+            float(record.weight_of(self.transport.peer_id) or 0.0), "settled by the round record",
+            sent, received, time.monotonic() - started,
         )
-        peers = [p for p in synchronizer_candidates(self.members()) if p != self.transport.peer_id]
-        if preferred in peers:
-            peers.remove(preferred)
-            peers.insert(0, preferred)
-        for peer in peers:
-            try:
-                raw = await self.transport.call(
-                    peer,
-                    f"{self.run}.{messages.RPC_GET_UPDATE}",
-                    request,
-                    timeout_s=30.0,
-                    max_response_bytes=self.limits.max_frame_bytes,
-                )
-            except TransportError:
-                continue
-            self.bytes_received += len(raw)
-            msg = wire.decode_message(raw, self.limits)
-            if (
-                isinstance(msg, wire.Rejected)
-                or msg.kind != wire.OUTER_UPDATE
-                or msg.round != round_id
-                or msg.fragment != fragment
-            ):
-                continue
-            return msg
-        return None
-
-    async def _catch_up(self, fragment: int, target: int, preferred: str = "") -> bool:
-        """Fetch and apply the updates between our round and `target` (exclusive)."""
-        while (current := self.state.round_of(fragment)) < target:
-            update = await self.fetch_update(fragment, current, preferred)
-            if update is None:
-                log.warning(
-                    "cannot catch up fragment=%d round=%d: no peer keeps the update",
-                    fragment,
-                    current,
-                )
-                return False
-            if not self._apply_now(fragment, current, update):
-                return False
-        return True
-
-    async def catch_up_to(self, fragment: int, target: int) -> bool:
-        """Public catch-up (the maintenance loop calls it when round records run ahead)."""
-        async with self._apply_lock:
-            return await self._catch_up(fragment, target)

@@ -3,20 +3,16 @@
 RPCs (each request and reply is one `wire` frame, moved in bounded chunks):
 
     contribute   learner -> synchronizer  CONTRIBUTION        -> CONTRIBUTE_REPLY (+ update)
+    hold_update  synchronizer -> peer     OUTER_UPDATE        -> CONTRIBUTE_REPLY(held)
     get_update   peer -> peer             UPDATE_REQUEST      -> OUTER_UPDATE or CONTRIBUTE_REPLY(missing)
     get_state    joiner -> peer           STATE_REQUEST       -> STATE_REPLY (one fragment)
 
-DHT records: heartbeats (see `membership`) and one round record per (fragment, round)
-under `p2pdiloco/<run>/rounds/<fragment>`, subkey = round, naming the synchronizer, the
-contributors with their weights, the grace waited and the fragment's hash afterwards.
+DHT records: heartbeats (see `membership`) and round records (see `rounds`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
-
-import msgpack
 
 from p2pdiloco import wire
 from p2pdiloco.wire import MessageKind, register_kind
@@ -24,6 +20,7 @@ from p2pdiloco.wire import MessageKind, register_kind
 RPC_CONTRIBUTE = "contribute"
 RPC_GET_UPDATE = "get_update"
 RPC_GET_STATE = "get_state"
+RPC_HOLD_UPDATE = "hold_update"
 
 CONTRIBUTE_REPLY = "contribute_reply"
 """synchronizer -> learner: status of a contribution, with the round's update if closed."""
@@ -40,6 +37,7 @@ REJECTED = "rejected"  # the delta was refused (reason attached); the peer keeps
 BEHIND = "behind"  # the synchronizer is behind the learner's round; try the next candidate
 MOVED = "moved"  # a better-placed synchronizer is live (named in moved_to): resend there
 MISSING = "missing"  # (get_update) this peer does not keep that update
+HELD = "held"  # (hold_update) the update is kept here, to serve once its round is committed
 
 register_kind(
     MessageKind(
@@ -51,66 +49,20 @@ register_kind(
             "hash": "str",
             "contributors": "list",
             "moved_to": "str",
+            "digest": "str",
+            "record": "bytes",
         },
     )
 )
-register_kind(MessageKind(UPDATE_REQUEST, required={"peer": "str"}, carries_tensors=False))
+register_kind(
+    MessageKind(
+        UPDATE_REQUEST,
+        required={"peer": "str"},
+        optional={"digest": "str"},
+        carries_tensors=False,
+    )
+)
 register_kind(MessageKind(STATE_REPLY, required={"peer": "str", "hash": "str"}))
-
-
-def rounds_key(run: str, fragment: int) -> str:
-    """DHT key of a fragment's round records."""
-    return f"p2pdiloco/{run}/rounds/{fragment}"
-
-
-@dataclass(frozen=True)
-class RoundRecord:
-    """What a synchronizer publishes when it closes (round, fragment)."""
-
-    round: int
-    fragment: int
-    synchronizer: str
-    hash: str
-    """Hash of the fragment's parameters and momentum after this round's update."""
-    contributors: list[tuple[str, float, int]] = field(default_factory=list)
-    """(peer id, merge weight, tokens) of every merged delta."""
-    grace_s: float = 0.0
-    closed_at: float = 0.0
-    """DHT time the window closed."""
-
-    def encode(self) -> bytes:
-        return msgpack.packb(
-            {
-                "round": self.round,
-                "fragment": self.fragment,
-                "synchronizer": self.synchronizer,
-                "hash": self.hash,
-                "contributors": [list(c) for c in self.contributors],
-                "grace_s": self.grace_s,
-                "closed_at": self.closed_at,
-            },
-            use_bin_type=True,
-        )
-
-
-def decode_round_record(raw: bytes) -> RoundRecord | None:
-    """A round record, or None when the bytes are not one."""
-    try:
-        data: Any = msgpack.unpackb(
-            raw, raw=False, max_bin_len=1 << 16, max_str_len=1 << 16, max_array_len=1 << 16
-        )
-        contributors = [(str(p), float(w), int(t)) for p, w, t in data["contributors"]]
-        return RoundRecord(
-            round=int(data["round"]),
-            fragment=int(data["fragment"]),
-            synchronizer=str(data["synchronizer"]),
-            hash=str(data["hash"]),
-            contributors=contributors,
-            grace_s=float(data["grace_s"]),
-            closed_at=float(data["closed_at"]),
-        )
-    except Exception:  # noqa: BLE001 - untrusted bytes
-        return None
 
 
 def reply(

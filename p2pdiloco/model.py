@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -46,6 +47,33 @@ PRESETS: dict[str, ModelShape] = {
     "150m": ModelShape(dim=1024, num_layers=12, num_heads=16, ffn_dim=2688),
     "1b": ModelShape(dim=2048, num_layers=22, num_heads=32, ffn_dim=5632),
 }
+
+
+def portable_uniform_(param: torch.Tensor, std: float, rng: np.random.PCG64) -> None:
+    """Fill `param` in place with uniform values of standard deviation `std`, the same bits
+    on every machine.
+
+    torch's normal_/uniform_ draw different numbers under different CPU kernel sets
+    (ATEN_CPU_CAPABILITY default vs avx2), so replicas would start apart. Here the values
+    come from PCG64's raw 64-bit outputs (a fixed algorithm on every platform; unlike
+    `Generator.integers`, whose method numpy may change between versions), whose top 53
+    bits, divided by 2^53, are exactly a float64 u in [0, 1); then `u * 2a - a` with
+    a = std * sqrt(3) (uniform on [-a, a) has standard deviation a / sqrt(3)): two IEEE
+    operations in float64, then one rounding to fp32.
+    """
+    count = param.numel()
+    half_width = std * math.sqrt(3.0)
+    if param.device.type == "meta":  # shapes only (size checks): skip the draws
+        rng.advance(count)
+        return
+    bits = rng.random_raw(count)
+    bits >>= np.uint64(11)
+    values = bits.astype(np.float64)  # integers below 2^53: exact
+    values /= 2.0**53  # a power of two: exact
+    values *= 2.0 * half_width
+    values -= half_width
+    with torch.no_grad():
+        param.copy_(torch.from_numpy(values.astype(np.float32)).view(param.shape))
 
 
 class RMSNorm(nn.Module):
@@ -127,7 +155,7 @@ class Block(nn.Module):
 class Decoder(nn.Module):
     """The language model: embed, blocks, norm, tied output projection."""
 
-    def __init__(self, shape: ModelShape) -> None:
+    def __init__(self, shape: ModelShape, seed: int = 0) -> None:
         super().__init__()
         if shape.dim % shape.num_heads or (shape.dim // shape.num_heads) % 2:
             raise ValueError(
@@ -140,16 +168,21 @@ class Decoder(nn.Module):
         cos, sin = rotary_table(shape.dim // shape.num_heads, shape.max_seq_len, shape.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.reset_parameters()
+        self.reset_parameters(seed)
 
-    def reset_parameters(self) -> None:
-        """GPT-2 style init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * layers)."""
+    def reset_parameters(self, seed: int = 0) -> None:
+        """GPT-2 style scales: std 0.02, residual projections scaled by 1/sqrt(2 * layers).
+
+        Drawn uniform (same std) from one PCG64 stream in parameter order, so `seed` gives
+        the same bits on every CPU (see `portable_uniform_`); gains stay at one.
+        """
+        rng = np.random.PCG64(seed)
         residual_std = 0.02 / math.sqrt(2 * self.shape.num_layers)
         for name, param in self.named_parameters():
             if param.dim() < 2:
                 continue
             std = residual_std if name.endswith(("out.weight", "down.weight")) else 0.02
-            nn.init.normal_(param, mean=0.0, std=std)
+            portable_uniform_(param, std, rng)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits (batch, seq, vocab) for token ids (batch, seq)."""
@@ -179,10 +212,11 @@ def build_model(preset: str, *, seed: int = 0, max_seq_len: int = 2048) -> Decod
         raise ValueError(f"unknown model preset {preset!r}; choose one of {tuple(PRESETS)}")
     shape = PRESETS[preset]
     shape = ModelShape(**{**shape.__dict__, "max_seq_len": max(max_seq_len, 8)})
+    # The layers' default init draws from torch's global generator before reset_parameters
+    # overwrites it with the portable one: keep the caller's random stream untouched.
     generator_state = torch.random.get_rng_state()
     try:
-        torch.manual_seed(seed)
-        return Decoder(shape)
+        return Decoder(shape, seed=seed)
     finally:
         torch.random.set_rng_state(generator_state)
 

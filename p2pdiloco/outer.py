@@ -4,10 +4,17 @@ Conventions: a *delta* (pseudo-gradient) is `theta_global_base - theta_local`, s
 outer optimizer *descends* along it, as in DiLoCo (arXiv 2311.08105). Parameters are
 `dict[str, Tensor]` of fp32 CPU tensors; the global state and the outer step stay on the
 CPU in fp32 so every peer computes the same bits whatever its accelerator.
+
+Everything applied to the global state is bit-identical on every CPU kernel set
+(ATEN_CPU_CAPABILITY default/avx2/avx512, ARM): only separate elementwise ops, each
+correctly rounded by IEEE-754 (no `alpha=`, which becomes a fused multiply-add in the
+vectorised kernels and two roundings in the scalar ones), scalars computed in Python
+floats, and every reduction through `fixed_order_sum` (docs/arithmetic.md).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -16,6 +23,34 @@ import torch
 Params = dict[str, torch.Tensor]
 
 _EPS = 1e-12
+
+
+def fixed_order_sum(tensor: torch.Tensor, *, square: bool = False) -> float:
+    """Sum of the elements (of their squares with `square`) in float64, in a fixed order.
+
+    `sum()` and `linalg.vector_norm` add in an order set by the SIMD width and the
+    threading of the kernel, so peers on different CPUs get different last bits. Here the
+    order is a pairwise tree fixed by the length alone: add the second half of the values
+    onto the first, elementwise, until one is left (an odd one out is carried unchanged,
+    as if padded with a zero). Elementwise adds round the same whatever the vector width.
+    Values and squares of fp32 (and bf16/fp16) are exact in float64.
+    """
+    values = torch.empty(tensor.numel(), dtype=torch.float64)
+    values.copy_(tensor.detach().reshape(-1))  # one copy, then the tree works in place
+    if square:
+        values.mul_(values)
+    n = values.numel()
+    while n > 1:
+        half = (n + 1) // 2
+        # The two slices never overlap (n - half <= half), so the in-place add is safe.
+        values[: n - half].add_(values[half:n])
+        n = half
+    return float(values[0]) if n else 0.0
+
+
+def _l2_norm(tensor: torch.Tensor) -> float:
+    """Euclidean norm through the fixed-order sum (math.sqrt is correctly rounded)."""
+    return math.sqrt(fixed_order_sum(tensor, square=True))
 
 
 def pseudo_gradient(
@@ -42,7 +77,8 @@ def cap_shares(weights: Sequence[float], max_share: float) -> list[float]:
         return []
     if any(w < 0 for w in weights):
         raise ValueError("weights must be non-negative")
-    total = float(sum(weights))
+    # fsum is correctly rounded; the built-in sum of floats changed algorithm in Python 3.12
+    total = math.fsum(weights)
     if total <= 0.0 or n * max_share <= 1.0:
         return [1.0 / n] * n
     shares = [w / total for w in weights]
@@ -54,7 +90,7 @@ def cap_shares(weights: Sequence[float], max_share: float) -> list[float]:
         for i in over:
             capped[i] = True
         free = 1.0 - max_share * sum(capped)
-        rest = sum(weights[i] for i in range(n) if not capped[i])
+        rest = math.fsum(weights[i] for i in range(n) if not capped[i])
         shares = [
             max_share
             if capped[i]
@@ -98,14 +134,20 @@ def uniform_weights(count: int) -> list[float]:
 def merge_weighted(
     deltas: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]
 ) -> Params:
-    """Weighted mean of deltas, per tensor (weights are assumed to sum to one)."""
+    """Weighted mean of deltas, per tensor (weights are assumed to sum to one).
+
+    `acc + w * delta` as a multiply then an add (two roundings), not `add_(alpha=)`,
+    whose fused multiply-add exists in some kernel sets only.
+    """
     if not deltas:
         raise ValueError("cannot merge zero deltas")
     merged: Params = {}
     for name in deltas[0]:
         acc = torch.zeros_like(deltas[0][name], dtype=torch.float32)
+        term = torch.empty_like(acc)  # reused for every w * delta
         for delta, weight in zip(deltas, weights, strict=True):
-            acc.add_(delta[name].float(), alpha=float(weight))
+            torch.mul(delta[name].float(), float(weight), out=term)
+            acc.add_(term)
         merged[name] = acc
     return merged
 
@@ -116,8 +158,9 @@ def merge_mean(deltas: Sequence[Mapping[str, torch.Tensor]]) -> Params:
 
 
 def _weighted_median(values: list[float], weights: Sequence[float]) -> float:
+    """The value at which the running weight (in value order) reaches half the total."""
     order = sorted(range(len(values)), key=lambda i: values[i])
-    half, acc = 0.5 * sum(weights), 0.0
+    half, acc = 0.5 * math.fsum(weights), 0.0
     for i in order:
         acc += weights[i]
         if acc >= half:
@@ -151,19 +194,24 @@ def merge_radial(
         if name in plain_mean_names:
             merged[name] = merge_weighted([{name: t} for t in tensors], weights)[name]
             continue
-        norms = [float(torch.linalg.vector_norm(t)) for t in tensors]
+        norms = [_l2_norm(t) for t in tensors]
         direction = torch.zeros_like(tensors[0])
+        term = torch.empty_like(direction)
         for t, n, w in zip(tensors, norms, weights, strict=True):
             if n > _EPS:
-                direction.add_(t, alpha=float(w) / n)
-        direction_norm = float(torch.linalg.vector_norm(direction))
-        if direction_norm < cancel_ratio * sum(weights):
+                # the coefficient in Python (float64), then one multiply and one add
+                torch.mul(t, float(w) / n, out=term)
+                direction.add_(term)
+        direction_norm = _l2_norm(direction)
+        total_weight = math.fsum(weights)
+        if direction_norm < cancel_ratio * total_weight:
             merged[name] = merge_weighted([{name: t} for t in tensors], weights)[name]
             continue
         radius = (
             _weighted_median(norms, weights)
             if norm == "median"
-            else sum(w * n for w, n in zip(weights, norms, strict=True)) / max(sum(weights), _EPS)
+            else math.fsum(w * n for w, n in zip(weights, norms, strict=True))
+            / max(total_weight, _EPS)
         )
         merged[name] = direction.mul_(radius / direction_norm)
     return merged
@@ -186,9 +234,9 @@ def merge(
 
 
 def tensor_norm(params: Mapping[str, torch.Tensor]) -> float:
-    """Global L2 norm over all tensors of a delta."""
-    total = sum(float(t.float().pow(2).sum()) for t in params.values())
-    return total**0.5
+    """Global L2 norm over all tensors of a delta (fixed-order sums, the same on every CPU)."""
+    # fsum and sqrt are correctly rounded; `** 0.5` goes through libm's pow, which need not be
+    return math.sqrt(math.fsum(fixed_order_sum(t, square=True) for t in params.values()))
 
 
 # --- outer optimizer ---------------------------------------------------------------------
@@ -223,25 +271,42 @@ def outer_step(
     With `delayed_every = N > 1` (delayed Nesterov, Async Local-SGD 2401.09135) the
     momentum buffer is updated once per N merges with their mean, and merges in between
     apply only the plain gradient step; N = 1 is ordinary (Nesterov) momentum SGD, the
-    same update as `torch.optim.SGD(nesterov=True)`.
+    update of `torch.optim.SGD(nesterov=True)` up to rounding.
+
+    Every product is rounded before it is added (a multiply, then an add or subtract):
+    `alpha=` would be a fused multiply-add on AVX2/AVX-512 and not on other kernel sets,
+    and replicas on different CPUs would drift apart in the last bit.
     """
     state.num_steps += 1
     for name, grad in outer_grad.items():
-        grad = grad.float()
+        grad = grad.float()  # may be the caller's tensor: never modified in place
+        param = params[name]
         state.tensor_steps[name] = state.tensor_steps.get(name, 0) + 1
         if delayed_every <= 1:
             buf = state.momentum.get(name)
-            buf = grad.clone() if buf is None else buf.mul_(momentum).add_(grad)
+            if buf is None:
+                buf = grad.clone()
+            else:
+                buf.mul_(momentum).add_(grad)  # buf = mu * buf + g
             state.momentum[name] = buf
-            update = grad.add(buf, alpha=momentum) if nesterov else buf
-            params[name].sub_(update, alpha=lr)
+            if nesterov:
+                update = torch.mul(buf, momentum).add_(grad).mul_(lr)  # lr * (g + mu * buf)
+            else:
+                update = torch.mul(buf, lr)
+            param.sub_(update)
             continue
         acc = state.accumulated.get(name)
-        state.accumulated[name] = grad.clone() if acc is None else acc.add_(grad)
-        params[name].sub_(grad, alpha=lr)
+        if acc is None:
+            state.accumulated[name] = grad.clone()
+        else:
+            acc.add_(grad)
+        param.sub_(torch.mul(grad, lr))
         if state.tensor_steps[name] % delayed_every == 0:
             buf = state.momentum.get(name)
             mean_grad = state.accumulated.pop(name).div_(delayed_every)
-            buf = mean_grad if buf is None else buf.mul_(momentum).add_(mean_grad)
+            if buf is None:
+                buf = mean_grad
+            else:
+                buf.mul_(momentum).add_(mean_grad)
             state.momentum[name] = buf
-            params[name].sub_(buf, alpha=lr * momentum)
+            param.sub_(torch.mul(buf, lr * momentum))

@@ -11,28 +11,30 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
-from p2pdiloco import __version__, compress, messages, wire
+from p2pdiloco import __version__, wire
+from p2pdiloco.addressbook import initial_peers_with_fallback, load_addresses, remember_addresses
 from p2pdiloco.checkpoint import load_learner, save_learner
 from p2pdiloco.config import RunConfig, config_hash
 from p2pdiloco.data import Corpus, heldout_batches, learner_batches
 from p2pdiloco.errors import ConfigError, NetworkSetupError
+from p2pdiloco.events import EventSink
+from p2pdiloco.faults import crash_hook, faulty_contribute
 from p2pdiloco.fragments import partition_fragments
 from p2pdiloco.learner import Learner
 from p2pdiloco.learner_link import LearnerLink, Outcome
 from p2pdiloco.membership import Heartbeat, learners, live_members, members_key
 from p2pdiloco.model import build_model
-from p2pdiloco.state import FragmentState, GlobalState
+from p2pdiloco.replica_sync import ReplicaSync
+from p2pdiloco.state import GlobalState
 from p2pdiloco.synchronizer import Synchronizer
 from p2pdiloco.train import InnerTrainer, resolve_device
 from p2pdiloco.transport.base import Transport, TransportError
@@ -92,18 +94,34 @@ class PeerOptions:
     """Fault injection: send `nan` deltas or `garbage` frames to early rounds."""
     corrupt_rounds: int = 0
     """Rounds (from 0) whose contributions are corrupted."""
+    crash_at: str = ""
+    """Fault injection: `PHASE[:ROUND]`, die (SIGKILL) at that phase of a commit (see faults)."""
+    checkpoint_every_s: float = 60.0
+    """Seconds between periodic checkpoints while training (with `checkpoint_dir`)."""
 
 
 @dataclass
-class PeerStatus:
-    """What the heartbeat loop publishes, refreshed from the learner each beat."""
+class Parts:
+    """Everything a joined peer runs, built once the transport knows our peer id."""
 
-    members: dict[str, Heartbeat] = field(default_factory=dict)
-    rejected_members: dict[str, str] = field(default_factory=dict)
+    state: GlobalState
+    trainer: InnerTrainer
+    replicas: ReplicaSync
+    synchronizer: Synchronizer
+    link: LearnerLink
+    learner: Learner
+    device_name: str
 
 
 class PeerDaemon:
-    """Compose transport, state, synchronizer, link and learner; run until stopped."""
+    """Compose transport, replica, synchronizer, link and learner; run until stopped.
+
+    Threads: the training loop runs on the calling (main) thread; the network
+    (transport, synchronizer, replica sync, heartbeats) on one asyncio loop in a
+    background thread; decode / merge / outer step / hash on one worker thread, so the
+    loop stays responsive and heartbeats are never late. `stop()` (from a signal handler)
+    sets an event; `run()` shuts the parts down in reverse order in `finally:`.
+    """
 
     def __init__(
         self,
@@ -115,139 +133,83 @@ class PeerDaemon:
         self.config = config
         self.options = options
         self.transport = transport
-        self.stop_event = threading.Event()
         self.on_progress = on_progress
         """Long work reports here: (phase, done, total), phases `data` and `state`."""
+        self.emit = EventSink(options.events)
+        self.stop_event = threading.Event()
         self.loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(
-            target=self.loop.run_forever, name="p2pdiloco-net", daemon=True
-        )
-        self.status = PeerStatus()
+        self._loop_thread = threading.Thread(target=self.loop.run_forever, name="p2pdiloco-net", daemon=True)
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="p2pdiloco-state")
         self.limits = wire.WireLimits()
+        self.config_hash = config_hash(config)
+        self.hook = crash_hook(options.crash_at, self.emit)
+        self.parts: Parts | None = None
+        self._members: dict[str, Heartbeat] = {}
+        self._rejected_members: dict[str, str] = {}
         self._tasks: list[asyncio.Task] = []
         self._leaving = False
-        self._stdout_closed = False
-        self.config_hash = config_hash(config)
-        self.swarm_rounds: list[int] = []
-        """Per fragment, the round the swarm has reached according to the round records."""
+        self._last_checkpoint = time.monotonic()
 
-    # --- events -------------------------------------------------------------------------
-
-    def emit(self, event: dict) -> None:
-        """One JSON line per event on stdout (when enabled) and a log line."""
-        if self.options.events and not self._stdout_closed:
-            try:
-                sys.stdout.write(json.dumps({"t": round(time.time(), 3), **event}) + "\n")
-                sys.stdout.flush()
-            except (BrokenPipeError, ValueError, OSError):
-                self._stdout_closed = True  # whoever read our events is gone; keep running
+    def _on_loop(self, coro, timeout_s: float):
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise
 
     # --- lifecycle ----------------------------------------------------------------------
-
-    def _on_loop(self, coro, timeout_s: float | None = None):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     def run(self) -> int:
         """Join, train, leave. Returns an exit code (0: clean)."""
         self._loop_thread.start()
         try:
             self._on_loop(self.transport.start(), self.options.startup_timeout_s + 30)
-            self._build()
+            self.parts = parts = self._build()
             self._on_loop(self._start_network(), 120)
-            self.emit(
-                {
-                    "ready": True,
-                    "peer_id": self.transport.peer_id,
-                    "maddrs": self.transport.visible_maddrs(),
-                }
-            )
+            self.emit({"ready": True, "peer_id": self.transport.peer_id, "maddrs": self.transport.visible_maddrs()})
             if self.options.checkpoint_dir:
-                restored = load_learner(self.options.checkpoint_dir, self.learner, self.config_hash)
-                self.emit(
-                    {
-                        "event": "checkpoint_loaded" if restored else "checkpoint_none",
-                        "step": self.learner.progress.step,
-                    }
-                )
+                restored = load_learner(self.options.checkpoint_dir, parts.learner, self.config_hash)
+                event = "checkpoint_loaded" if restored else "checkpoint_none"
+                self.emit({"event": event, "step": parts.learner.progress.step})
             self._on_loop(self._wait_for_peers(), self.options.wait_peers_timeout_s + 60)
             self._on_loop(self._join(), 600)
+            state = parts.state
             self.emit(
                 {
                     "event": "joined",
-                    "rounds": list(self.state.rounds),
-                    "hashes": [
-                        self.state.fragment_hash(f) for f in range(self.state.num_fragments)
-                    ],
+                    "rounds": list(state.rounds),
+                    "hashes": [state.fragment_hash(f) for f in range(state.num_fragments)],
                 }
             )
-            self.learner.run(
+            parts.learner.run(
                 self.stop_event,
                 self.options.max_rounds,
                 self.options.max_steps,
                 self.rounds_reached,
+                every_step=self._maybe_checkpoint,
             )
             self._finish_in_flight()
-            if self.options.checkpoint_dir:
-                path = save_learner(self.options.checkpoint_dir, self.learner, self.config_hash)
-                self.emit(
-                    {
-                        "event": "checkpoint_saved",
-                        "path": str(path),
-                        "step": self.learner.progress.step,
-                    }
-                )
+            self._checkpoint()
             self.emit({"event": "summary", **self.summary()})
             return 0
         finally:
             self._shutdown()
 
-    def summary(self) -> dict:
-        """This peer's totals, for the demo and the benchmarks."""
-        p = self.learner.progress
-        return {
-            "peer_id": self.transport.peer_id,
-            "steps": p.step,
-            "tokens": p.tokens,
-            "train_s": p.train_s,
-            "loop_s": p.loop_s,
-            "rounds": list(self.state.rounds),
-            "rounds_contributed": p.rounds_contributed,
-            "tokens_contributed": p.tokens_contributed,
-            "bytes_sent": p.bytes_sent,
-            "bytes_received": p.bytes_received + self.link.bytes_received,
-            "latencies_s": p.latencies_s,
-            "eval_loss": p.eval_loss,
-            "hashes": [self.state.fragment_hash(f) for f in range(self.state.num_fragments)],
-        }
-
-    def rounds_reached(self) -> list[int]:
-        """Per fragment, the furthest round known: our replica's or the swarm's records'."""
-        ours = list(self.state.rounds)
-        return [
-            max(r, self.swarm_rounds[f] if f < len(self.swarm_rounds) else 0)
-            for f, r in enumerate(ours)
-        ]
-
     def stop(self) -> None:
         """Ask the peer to leave (safe from signal handlers and other threads)."""
         self.stop_event.set()
 
-    def _build(self) -> None:
+    def _build(self) -> Parts:
         config, options = self.config, self.options
         device = resolve_device(config.train.device)
         if options.torch_threads > 0:
             torch.set_num_threads(options.torch_threads)
-        model = build_model(
-            config.model.preset, seed=config.train.seed, max_seq_len=config.model.seq_len
-        )
+        model = build_model(config.model.preset, seed=config.train.seed, max_seq_len=config.model.seq_len)
         params = {n: p.detach() for n, p in model.named_parameters()}
-        fragments = partition_fragments(
-            {n: p.numel() for n, p in params.items()}, config.sync.num_fragments
-        )
-        self.state = GlobalState(params, fragments, config.outer)
-        corpus = Corpus.from_config(
-            config.data, lambda done, total: self.on_progress("data", done, total)
-        )
+        fragments = partition_fragments({n: p.numel() for n, p in params.items()}, config.sync.num_fragments)
+        state = GlobalState(params, fragments, config.outer)
+        corpus = Corpus.from_config(config.data, lambda done, total: self.on_progress("data", done, total))
         peer_id = self.transport.peer_id
         rank = (
             options.data_rank
@@ -255,80 +217,68 @@ class PeerDaemon:
             else int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "little")
         )
         batches = learner_batches(
-            corpus,
-            rank,
-            options.data_shards,
-            config.train.batch_size,
-            config.model.seq_len,
-            config.train.seed,
+            corpus, rank, options.data_shards, config.train.batch_size, config.model.seq_len, config.train.seed
         )
         eval_set = (
-            heldout_batches(
-                corpus, options.eval_batches, config.train.batch_size, config.model.seq_len
-            )
+            heldout_batches(corpus, options.eval_batches, config.train.batch_size, config.model.seq_len)
             if options.eval_batches
             else []
         )
-        self.trainer = InnerTrainer(model, config.train, device)
-        self.synchronizer = Synchronizer(
-            self.transport,
-            options.run,
-            config,
-            self.state,
-            self.members,
-            self.limits,
-            on_event=self.emit,
+        trainer = InnerTrainer(model, config.train, device)
+        replicas = ReplicaSync(
+            self.transport, options.run, state, self.members, self.limits, self.worker,
+            void_after_s=config.sync.round_deadline_s, on_event=self.emit,
         )
-        self.link = LearnerLink(
-            self.transport, options.run, config, self.state, self.members, self.limits
+        synchronizer = Synchronizer(
+            self.transport, options.run, config, state, self.members, self.limits, replicas,
+            self.worker, hook=self.hook, on_event=self.emit,
         )
-        self.learner = Learner(
-            peer_id,
-            options.run,
-            config,
-            self.trainer,
-            batches,
-            self.state,
-            self.submit,
-            eval_set,
-            on_event=self.emit,
+        link = LearnerLink(self.transport, options.run, config, replicas, self.members, self.limits)
+        contribute = faulty_contribute(
+            link.contribute, options.straggle_s, options.straggle_rounds, options.corrupt, options.corrupt_rounds
         )
-        self.state.listeners.append(
+
+        def submit(fragment: int, target_round: int, frame: bytes) -> Future[Outcome]:
+            return asyncio.run_coroutine_threadsafe(contribute(fragment, target_round, frame), self.loop)
+
+        learner = Learner(peer_id, options.run, config, trainer, batches, state, submit, eval_set, on_event=self.emit)
+        replicas.on_committed.append(
+            lambda f, r, record: learner.committed.put((f, r, frozenset(c[0] for c in record.contributors)))
+        )
+        state.listeners.append(
             lambda f, r: self.emit(
-                {
-                    "event": "applied",
-                    "fragment": f,
-                    "round": r,
-                    "hash": self.state.applied_hashes[f].get(r, ""),
-                }
+                {"event": "applied", "fragment": f, "round": r, "hash": state.applied_hashes[f].get(r, "")}
             )
         )
-        self.device_name = str(device)
+        return Parts(state, trainer, replicas, synchronizer, link, learner, str(device))
 
     async def _start_network(self) -> None:
-        await self.synchronizer.start()
+        parts = self._parts()
+        await parts.replicas.start()
+        await parts.synchronizer.start()
         await self._beat()
-        others = [p for p in self.status.members if p != self.transport.peer_id]
-        disagree = [
-            r
-            for r in self.status.rejected_members.values()
-            if r.startswith("trains with another run config")
-        ]
+        others = [p for p in self._members if p != self.transport.peer_id]
+        disagree = [r for r in self._rejected_members.values() if r.startswith("trains with another run config")]
         if disagree and not others:
             raise ConfigError(
                 f"this peer's run config differs from the run's (every live learner {disagree[0]}): use the run's published config"
             )
         self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
 
+    def _parts(self) -> Parts:
+        assert self.parts is not None, "the peer is not built yet"
+        return self.parts
+
     def _finish_in_flight(self, timeout_s: float = 30.0) -> None:
         """On leaving: give in-flight contributions a bounded chance to complete."""
+        learner = self._parts().learner
         deadline = time.monotonic() + timeout_s
-        for item in list(self.learner.in_flight.values()):
+        for item in list(learner.in_flight.values()):
             try:
                 item.future.result(max(deadline - time.monotonic(), 0.0))
             except Exception:  # noqa: BLE001 - abandoned cleanly: the round goes on without it
                 pass
-        self.learner.collect_outcomes()
+        learner.collect_outcomes()
 
     def _shutdown(self) -> None:
         self._leaving = True
@@ -339,135 +289,158 @@ class PeerDaemon:
                 log.warning("leave failed error=%r", exc)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._loop_thread.join(10)
+        self.worker.shutdown(wait=False, cancel_futures=True)
         self.emit({"event": "stopped"})
 
     async def _leave(self) -> None:
         for task in self._tasks:
             task.cancel()
-        if hasattr(self, "learner"):
-            self.learner.progress.status = "leaving"
+        if self.parts is not None:
+            self.parts.learner.progress.status = "leaving"
             try:
                 await asyncio.wait_for(self._beat(), 10)
             except Exception:  # noqa: BLE001
                 pass
-        if hasattr(self, "synchronizer"):
-            await self.synchronizer.shutdown()
+            await self.parts.synchronizer.shutdown()
         await self.transport.shutdown()
 
-    # --- learner <-> network ------------------------------------------------------------
+    # --- checkpoints ----------------------------------------------------------------------
 
-    def submit(self, fragment: int, target_round: int, frame: bytes) -> Future[Outcome]:
-        """Called from the training thread: contribute in the background."""
-        return asyncio.run_coroutine_threadsafe(
-            self._contribute(fragment, target_round, frame), self.loop
-        )
+    def _maybe_checkpoint(self) -> None:
+        """Called by the training loop after each step: checkpoint every `checkpoint_every_s`."""
+        if time.monotonic() - self._last_checkpoint >= self.options.checkpoint_every_s:
+            self._checkpoint()
 
-    async def _contribute(self, fragment: int, target_round: int, frame: bytes) -> Outcome:
-        options = self.options
-        if options.straggle_s > 0 and target_round < options.straggle_rounds:
-            await asyncio.sleep(options.straggle_s)  # injected latency (no netem here)
-        if options.corrupt and target_round < options.corrupt_rounds:
-            frame = corrupt_frame(frame, options.corrupt)
-        return await self.link.contribute(fragment, target_round, frame)
+    def _checkpoint(self) -> None:
+        """Save local state and the peers seen (atomic, durable), if a directory is set."""
+        self._last_checkpoint = time.monotonic()
+        directory = self.options.checkpoint_dir
+        if not directory or self.parts is None:
+            return
+        learner = self.parts.learner
+        try:
+            path = save_learner(directory, learner, self.config_hash)
+        except ConfigError as exc:
+            log.warning("checkpoint failed error=%s", exc)
+            return
+        seen = {}
+        for peer, beat in self._members.items():
+            listed = beat.extra.get("maddrs") if isinstance(beat.extra, dict) else None
+            if peer != self.transport.peer_id and isinstance(listed, list):
+                seen[peer] = [a for a in listed[:8] if isinstance(a, str)]
+        remember_addresses(directory, {p: a for p, a in seen.items() if a}, time.time())
+        self.emit({"event": "checkpoint_saved", "path": str(path), "step": learner.progress.step})
+
+    # --- status ---------------------------------------------------------------------------
+
+    def summary(self) -> dict:
+        """This peer's totals, for the demo and the benchmarks."""
+        parts = self._parts()
+        p, state = parts.learner.progress, parts.state
+        return {
+            "peer_id": self.transport.peer_id,
+            "steps": p.step,
+            "tokens": p.tokens,
+            "train_s": p.train_s,
+            "loop_s": p.loop_s,
+            "rounds": list(state.rounds),
+            "rounds_contributed": p.rounds_contributed,
+            "tokens_contributed": p.tokens_contributed,
+            "bytes_sent": p.bytes_sent,
+            "bytes_received": p.bytes_received + parts.link.bytes_received + parts.replicas.bytes_received,
+            "latencies_s": p.latencies_s,
+            "eval_loss": p.eval_loss,
+            "hashes": [state.fragment_hash(f) for f in range(state.num_fragments)],
+        }
+
+    def rounds_reached(self) -> list[int]:
+        """Per fragment, the furthest round known: our replica's or the canonical chain's."""
+        parts = self._parts()
+        ours = list(parts.state.rounds)
+        heads = [max(chain) + 1 if chain else 0 for chain in parts.replicas.chains]
+        # The chain's head counts only once this peer tried to reach it (a sync pass ran),
+        # so a peer that can catch up does so before `--max-rounds` lets it leave.
+        return [max(r, h if self._synced_once else 0) for r, h in zip(ours, heads, strict=True)]
+
+    _synced_once = False
 
     def members(self) -> dict[str, Heartbeat]:
         """This peer's current view of the live membership (itself included)."""
-        view = dict(self.status.members)
+        view = dict(self._members)
         if not self._leaving:
             view[self.transport.peer_id] = self._own_heartbeat()
         return view
 
     def _own_heartbeat(self) -> Heartbeat:
-        progress = self.learner.progress if hasattr(self, "learner") else None
+        parts = self.parts
+        progress = parts.learner.progress if parts else None
         return Heartbeat(
             peer_id=self.transport.peer_id,
             role="learner",
             client_mode=self.options.client_mode,
-            device=getattr(self, "device_name", "cpu"),
+            device=parts.device_name if parts else "cpu",
             tokens_per_s=progress.tokens_per_s if progress else 0.0,
             tokens_contributed=progress.tokens_contributed if progress else 0,
             rounds_contributed=progress.rounds_contributed if progress else 0,
             last_weight=progress.last_weight if progress else 0.0,
-            rounds=tuple(self.state.rounds) if hasattr(self, "state") else (),
+            rounds=tuple(parts.state.rounds) if parts else (),
             status=progress.status if progress else "starting",
-            synchronizing=tuple(self.synchronizer.holding())
-            if hasattr(self, "synchronizer")
-            else (),
+            synchronizing=tuple(parts.synchronizer.holding()) if parts else (),
             inner_step=progress.step if progress else 0,
             loss=progress.loss if progress else 0.0,
             eval_loss=progress.eval_loss if progress else 0.0,
             bytes_sent=progress.bytes_sent if progress else 0,
-            bytes_received=(progress.bytes_received + self.link.bytes_received) if progress else 0,
+            bytes_received=(progress.bytes_received + parts.link.bytes_received) if progress else 0,
             software=f"p2pdiloco/{__version__}",
             config_hash=self.config_hash,
+            extra={"maddrs": self.transport.visible_maddrs()[:8]} if not self.options.client_mode else {},
         )
+
+    # --- heartbeats and replica sync --------------------------------------------------------
 
     async def _beat(self) -> None:
         """Publish our heartbeat and refresh the membership view."""
         now = self.transport.now()
         ttl = 4 * self.options.heartbeat_s
-        await self.transport.store(
-            members_key(self.options.run),
-            self.transport.peer_id,
-            self._own_heartbeat().encode(),
-            now + ttl,
-        )
-        records = await self.transport.get(members_key(self.options.run))
+        key = members_key(self.options.run)
+        await self.transport.store(key, self.transport.peer_id, self._own_heartbeat().encode(), now + ttl)
+        records = await self.transport.get(key)
         live, rejected = live_members(records, self.transport.now(), self.config_hash)
         for subkey, reason in rejected.items():
-            if subkey not in self.status.rejected_members:
+            if subkey not in self._rejected_members:
                 log.warning("ignored member subkey=%s reason=%r", subkey[-8:], reason)
-        self.status.members, self.status.rejected_members = live, rejected
+        self._members, self._rejected_members = live, rejected
 
     async def _heartbeat_loop(self) -> None:
+        """Beat, then bring every fragment to the head of its canonical chain; bounded."""
+        period = self.options.heartbeat_s
         while True:
-            await asyncio.sleep(self.options.heartbeat_s)  # a period, not a synchronisation
+            await asyncio.sleep(period)  # a period, not a synchronisation
             try:
                 await asyncio.wait_for(self._beat(), 30)
-                await asyncio.wait_for(self._watch_rounds(), 120)
             except (TimeoutError, TransportError) as exc:
                 log.warning("heartbeat failed error=%r", exc)
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the daemon must outlive any one beat
-                log.exception("heartbeat loop fault")
+                log.exception("heartbeat fault")
+            # Replica sync runs beside the beats, never delaying the next one.
+            if not any(t.get_name() == "replica-sync" and not t.done() for t in self._tasks):
+                self._tasks = [t for t in self._tasks if not t.done()]
+                self._tasks.append(asyncio.create_task(self._sync_all(), name="replica-sync"))
 
-    # --- rounds, catch-up and state download --------------------------------------------
-
-    async def latest_round_records(self, fragment: int) -> dict[int, messages.RoundRecord]:
-        records = await self.transport.get(messages.rounds_key(self.options.run, fragment))
-        out = {}
-        for subkey, (raw, _exp) in records.items():
-            record = messages.decode_round_record(raw)
-            if record is not None and record.fragment == fragment and str(record.round) == subkey:
-                out[record.round] = record
-        return out
-
-    async def _watch_rounds(self) -> None:
-        """Catch up when the swarm is ahead; re-download a fragment whose hash diverged.
-
-        Only after trying does this peer note how far the swarm got (`swarm_rounds`), so a
-        peer that can catch up does so before `--max-rounds` lets it leave.
-        """
-        if len(self.swarm_rounds) < self.state.num_fragments:
-            self.swarm_rounds = [0] * self.state.num_fragments
-        for fragment in range(self.state.num_fragments):
-            records = await self.latest_round_records(fragment)
-            if not records:
-                continue
-            ours = self.state.applied_hashes[fragment]
-            diverged = fragment in self.link.diverged or any(
-                r in ours and ours[r] != rec.hash for r, rec in records.items()
-            )
-            latest = max(records)
-            if diverged:
-                log.warning("fragment diverged fragment=%d: downloading its state", fragment)
-                if await self._download_fragment(fragment, records):
-                    self.link.diverged.discard(fragment)
-            elif self.state.round_of(fragment) <= latest:
-                if not await self.link.catch_up_to(fragment, latest + 1):
-                    await self._download_fragment(fragment, records)
-            self.swarm_rounds[fragment] = max(self.swarm_rounds[fragment], latest + 1)
+    async def _sync_all(self) -> None:
+        replicas = self._parts().replicas
+        for fragment in range(self._parts().state.num_fragments):
+            try:
+                await asyncio.wait_for(replicas.sync_fragment(fragment), 300)
+            except (TimeoutError, TransportError) as exc:
+                log.warning("replica sync failed fragment=%d error=%r", fragment, exc)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001
+                log.exception("replica sync fault fragment=%d", fragment)
+        self._synced_once = True
 
     async def _wait_for_peers(self) -> None:
         """The optional start barrier: poll the membership until enough learners are live."""
@@ -490,150 +463,28 @@ class PeerDaemon:
         self.emit({"event": "peers_ready", "live": live})
 
     async def _join(self) -> None:
-        """Late joiner: download every fragment that the swarm has moved past round 0."""
-        for fragment in range(self.state.num_fragments):
-            records = await self.latest_round_records(fragment)
-            if records:
-                await self._download_fragment(fragment, records)
-            self.on_progress("state", fragment + 1, self.state.num_fragments)
-
-    async def _download_fragment(
-        self, fragment: int, records: dict[int, messages.RoundRecord]
-    ) -> bool:
-        """Fetch one fragment's state from a donor past the latest round; verify its hash.
-
-        Donors are the live peers whose heartbeat says they are past that round; the
-        choice rotates with the fragment so a joiner spreads its download over peers.
-        The state must match the round record of the round it claims (by hash).
-        """
-        want_round = max(records) + 1
-        donors = sorted(
-            p
-            for p, b in self.status.members.items()
-            if p != self.transport.peer_id
-            and b.role == "learner"
-            and not b.client_mode
-            and len(b.rounds) > fragment
-            and b.rounds[fragment] >= want_round
-        )
-        if not donors:
-            log.warning("no donor for fragment=%d round=%d", fragment, want_round)
-            return False
-        start = fragment % len(donors)
-        request = wire.encode_message(
-            wire.Message(
-                kind=wire.STATE_REQUEST,
-                run=self.options.run,
-                round=want_round,
-                fragment=fragment,
-                meta={"peer": self.transport.peer_id},
-            )
-        )
-        for donor in donors[start:] + donors[:start]:
+        """Late joiner: bring every fragment to the head of the swarm's canonical chain."""
+        parts = self._parts()
+        for fragment in range(parts.state.num_fragments):
             try:
-                raw = await self.transport.call(
-                    donor,
-                    f"{self.options.run}.{messages.RPC_GET_STATE}",
-                    request,
-                    timeout_s=120.0,
-                    max_response_bytes=self.limits.max_frame_bytes,
-                )
-            except TransportError as exc:
-                log.warning("state download failed donor=%s error=%r", donor[-8:], exc)
-                continue
-            self.link.bytes_received += len(raw)
-            state = self._parse_state(raw, fragment)
-            if state is None:
-                continue
-            record = records.get(state.round - 1)
-            if record is None:
-                records.update(await self.latest_round_records(fragment))
-                record = records.get(state.round - 1)
-            if record is None or state.hash != record.hash:
-                log.warning(
-                    "state from donor=%s round=%d does not match its round record: refused",
-                    donor[-8:],
-                    state.round,
-                )
-                continue
-            loop = asyncio.get_running_loop()
-            local_hash = await loop.run_in_executor(None, self.state.import_fragment, state)
-            if local_hash != state.hash:
-                log.warning("imported state hash mismatch fragment=%d", fragment)
-                continue
-            log.info(
-                "downloaded fragment=%d round=%d donor=%s hash=%s",
-                fragment,
-                state.round,
-                donor[-8:],
-                state.hash[:12],
-            )
-            self.emit(
-                {
-                    "event": "downloaded",
-                    "fragment": fragment,
-                    "round": state.round,
-                    "donor": donor,
-                    "hash": state.hash,
-                }
-            )
-            return True
-        return False
-
-    def _parse_state(self, raw: bytes, fragment: int) -> FragmentState | None:
-        msg = wire.decode_message(raw, self.limits)
-        if (
-            isinstance(msg, wire.Rejected)
-            or msg.kind != messages.STATE_REPLY
-            or msg.fragment != fragment
-        ):
-            return None
-        try:
-            tensors = compress.decode_tensors(msg.tensors)
-        except ValueError:
-            return None
-        params = {k[2:]: t for k, t in tensors.items() if k.startswith("p/")}
-        momentum = {k[2:]: t for k, t in tensors.items() if k.startswith("m/")}
-        return FragmentState(
-            fragment=fragment,
-            round=msg.round,
-            params=params,
-            momentum=momentum,
-            hash=str(msg.meta["hash"]),
-        )
-
-
-def corrupt_frame(frame: bytes, kind: str) -> bytes:
-    """Fault injection: a frame with a NaN in its first tensor, or random garbage."""
-    if kind == "garbage":
-        return bytes(reversed(frame[: len(frame) // 2]))
-    msg = wire.decode_message(frame, wire.WireLimits())
-    assert not isinstance(msg, wire.Rejected)
-    tensors = compress.decode_tensors(msg.tensors)
-    name = next(iter(tensors))
-    tensors[name].view(-1)[0] = float("nan")
-    fp32 = compress.make_codec("fp32")
-    encoded = {**msg.tensors, name: fp32.encode(tensors[name])}
-    return wire.encode_message(
-        wire.Message(
-            kind=msg.kind,
-            run=msg.run,
-            round=msg.round,
-            fragment=msg.fragment,
-            meta=msg.meta,
-            tensors=encoded,
-        )
-    )
+                await asyncio.wait_for(parts.replicas.sync_fragment(fragment), 300)
+            except (TimeoutError, TransportError) as exc:
+                log.warning("initial sync failed fragment=%d error=%r", fragment, exc)
+            self.on_progress("state", fragment + 1, parts.state.num_fragments)
 
 
 def make_transport_for(options: PeerOptions) -> Transport:
     """The hivemind transport for these options (imported lazily)."""
     from p2pdiloco.transport import make_transport
 
+    initial = list(options.initial_peers)
+    if options.checkpoint_dir and initial:
+        # Remembered peers are tried too, so a restart survives dead bootstrap nodes.
+        initial = initial_peers_with_fallback(initial, load_addresses(options.checkpoint_dir), "")
     try:
         return make_transport(
             "hivemind",
-            initial_peers=list(options.initial_peers),
+            initial_peers=initial,
             host=options.host,
             port=options.port,
             client_mode=options.client_mode,

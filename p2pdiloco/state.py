@@ -3,19 +3,22 @@
 Rounds are counted per fragment: `rounds[f]` is how many outer updates fragment f has
 received. Applying the update of (round r, fragment f) requires `rounds[f] == r`, so
 every replica applies the same updates in the same order and stays bit-identical (the
-state and the outer step live on the CPU in fp32). Each fragment has a hash over its
-parameters and momentum, published in round records so a diverged replica notices.
+state and the outer step live on the CPU in fp32, with arithmetic that is bit-identical on
+every CPU kernel set: docs/arithmetic.md). Each fragment has a hash over its parameters,
+momentum and delayed-Nesterov accumulators, published in round records so a diverged
+replica notices.
 
 The learner thread and the network thread share this object; a lock guards it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,6 +49,8 @@ class FragmentState:
     params: Params
     momentum: Params
     hash: str
+    accumulated: Params = field(default_factory=dict)
+    """Deltas summed since the last momentum update (`outer.delayed_nesterov_every > 1`)."""
 
 
 class GlobalState:
@@ -87,12 +92,24 @@ class GlobalState:
             if n in self.outer_state.momentum
         }
 
+    def _accumulated_of(self, fragment: int) -> Params:
+        return {
+            n: self.outer_state.accumulated[n]
+            for n in self.fragments[fragment]
+            if n in self.outer_state.accumulated
+        }
+
     def fragment_hash(self, fragment: int) -> str:
-        """Hash of the fragment's parameters and outer momentum."""
+        """Hash of the fragment's parameters, outer momentum and delayed-Nesterov sums.
+
+        The sums (`a/<name>`, present only between momentum updates when
+        `delayed_nesterov_every > 1`) shape the next updates, so they are part of the state.
+        """
         with self.lock:
             names = self.fragments[fragment]
             tensors = {f"p/{n}": self.params[n] for n in names}
             tensors.update({f"m/{n}": t for n, t in self._momentum_of(fragment).items()})
+            tensors.update({f"a/{n}": t for n, t in self._accumulated_of(fragment).items()})
             return hash_tensors(tensors)
 
     def apply_update(
@@ -157,24 +174,61 @@ class GlobalState:
                 params={n: self.params[n].clone() for n in names},
                 momentum={n: t.clone() for n, t in self._momentum_of(fragment).items()},
                 hash=self.fragment_hash(fragment),
+                accumulated={n: t.clone() for n, t in self._accumulated_of(fragment).items()},
             )
 
+    def _checked_copies(self, state: FragmentState) -> tuple[Params, Params, Params]:
+        """fp32 CPU copies of a downloaded fragment's params, momentum and sums, after
+        checking names, shapes and finiteness of every tensor; ValueError otherwise."""
+        if isinstance(state.fragment, bool) or not isinstance(state.fragment, int):
+            raise ValueError(f"fragment must be an int, got {state.fragment!r}")
+        if not 0 <= state.fragment < self.num_fragments:
+            raise ValueError(f"no fragment {state.fragment} (there are {self.num_fragments})")
+        if isinstance(state.round, bool) or not isinstance(state.round, int) or state.round < 0:
+            raise ValueError(f"round must be a non-negative int, got {state.round!r}")
+        names = set(self.fragments[state.fragment])
+        if set(state.params) != names:
+            raise ValueError(f"state of fragment {state.fragment} does not match its tensors")
+        copies: list[Params] = []
+        for kind, tensors in (
+            ("params", state.params),
+            ("momentum", state.momentum),
+            ("accumulated", state.accumulated),
+        ):
+            if not set(tensors) <= names:
+                extra = sorted(set(tensors) - names)[0]
+                raise ValueError(f"{kind} tensor {extra!r} is not in fragment {state.fragment}")
+            checked: Params = {}
+            for name, tensor in tensors.items():
+                if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+                    raise ValueError(f"{kind} tensor {name} is not a floating-point tensor")
+                if tuple(tensor.shape) != tuple(self.params[name].shape):
+                    raise ValueError(f"{kind} tensor {name} has shape {tuple(tensor.shape)}")
+                copy = tensor.detach().to(device="cpu", dtype=torch.float32, copy=True)
+                # After the cast: a float64 value beyond the fp32 range would become inf.
+                if not bool(torch.isfinite(copy).all()):
+                    raise ValueError(f"{kind} tensor {name} is not finite")
+                checked[name] = copy
+            copies.append(checked)
+        return copies[0], copies[1], copies[2]
+
     def import_fragment(self, state: FragmentState) -> str:
-        """Replace one fragment's state with a downloaded copy; returns its hash here."""
+        """Replace one fragment's state with a downloaded copy; returns its hash here.
+
+        Everything is checked before anything changes: on ValueError the replica is as it was.
+        """
         with self.lock:
-            names = self.fragments[state.fragment]
-            if set(state.params) != set(names) or not set(state.momentum) <= set(names):
-                raise ValueError(f"state of fragment {state.fragment} does not match its tensors")
-            for name in names:
-                if tuple(state.params[name].shape) != tuple(self.params[name].shape):
-                    raise ValueError(
-                        f"state tensor {name} has shape {tuple(state.params[name].shape)}"
-                    )
-                self.params[name] = state.params[name].to(torch.float32).clone()
-                if name in state.momentum:
-                    self.outer_state.momentum[name] = state.momentum[name].to(torch.float32).clone()
-                else:
-                    self.outer_state.momentum.pop(name, None)
+            params, momentum, accumulated = self._checked_copies(state)
+            for name in self.fragments[state.fragment]:
+                self.params[name] = params[name]
+                for mine, theirs in (
+                    (self.outer_state.momentum, momentum),
+                    (self.outer_state.accumulated, accumulated),
+                ):
+                    if name in theirs:
+                        mine[name] = theirs[name]
+                    else:
+                        mine.pop(name, None)
                 self.outer_state.tensor_steps[name] = state.round
             self.rounds[state.fragment] = state.round
             self._history[state.fragment].clear()
@@ -183,3 +237,58 @@ class GlobalState:
         for listener in list(self.listeners):
             listener(state.fragment, state.round - 1)
         return new_hash
+
+
+@dataclass(frozen=True)
+class PreparedUpdate:
+    """The result of an outer update computed on a copy: installed only once committed."""
+
+    fragment: int
+    round: int
+    parent_hash: str
+    hash: str
+    scratch: GlobalState
+    """A one-fragment state holding the new parameters and optimizer buffers."""
+
+
+def prepare_update(
+    state: GlobalState, fragment: int, round_id: int, outer_grad: Mapping[str, torch.Tensor]
+) -> PreparedUpdate:
+    """Compute (round_id, fragment)'s update on a copy, leaving `state` untouched.
+
+    The synchronizer needs the resulting hash for its round record *before* it commits,
+    and must not change its replica until the commit point. Raises ValueError as
+    `apply_update` does.
+    """
+    snapshot = state.export_fragment(fragment)
+    if snapshot.round != round_id:
+        raise ValueError(f"fragment {fragment} is at round {snapshot.round}, update is for round {round_id}")
+    names = state.fragments[fragment]
+    scratch = GlobalState(snapshot.params, [list(names)], state.outer)
+    scratch.import_fragment(dataclasses.replace(snapshot, fragment=0))
+    new_hash = scratch.apply_update(0, round_id, outer_grad)
+    return PreparedUpdate(fragment, round_id, snapshot.hash, new_hash, scratch)
+
+
+def install_update(state: GlobalState, prepared: PreparedUpdate) -> bool:
+    """Swap a prepared result into `state` if it is still at the prepared parent; True if so."""
+    with state.lock:
+        fragment = prepared.fragment
+        if state.rounds[fragment] != prepared.round or state.fragment_hash(fragment) != prepared.parent_hash:
+            return False
+        source = prepared.scratch.outer_state
+        target = state.outer_state
+        for name in state.fragments[fragment]:
+            state.params[name] = prepared.scratch.params[name]
+            for own, theirs in ((target.momentum, source.momentum), (target.accumulated, source.accumulated)):
+                if name in theirs:
+                    own[name] = theirs[name]
+                else:
+                    own.pop(name, None)
+            target.tensor_steps[name] = source.tensor_steps.get(name, 0)
+        target.num_steps += 1
+        state.rounds[fragment] += 1
+        state.applied_hashes[fragment][prepared.round] = prepared.hash
+    for listener in list(state.listeners):
+        listener(fragment, prepared.round)
+    return True

@@ -7,9 +7,10 @@ token claims). The networked `synchronizer` calls these and owns the clock.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def quorum_met(
@@ -103,3 +104,143 @@ def staleness_rejection(base_round: int, current_round: int, max_staleness: int)
 def clamp_tokens(claimed: int, steps: int, max_tokens_per_step: int) -> int:
     """A learner's self-reported tokens, bounded by what its steps can have processed."""
     return max(0, min(claimed, steps * max_tokens_per_step))
+
+
+# --- the window's life as a state machine ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """What the window knows of one accepted delta (the tensors live with the caller)."""
+
+    tokens: int
+    steps: int
+    step_time_s: float
+    at: float
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Nothing to do before `until` (or the next arrival, or a membership change)."""
+
+    until: float
+
+
+@dataclass(frozen=True)
+class Close:
+    """Quorum met and grace over (or everyone arrived): merge now."""
+
+    grace_s: float
+
+
+@dataclass(frozen=True)
+class Move:
+    """No quorum yet and a better-placed synchronizer is live: send the learners there."""
+
+    to: str
+
+
+@dataclass(frozen=True)
+class Expire:
+    """The deadline passed without quorum: no outer step this round."""
+
+    reason: str
+
+
+Action = Wait | Close | Move | Expire
+
+RECHECK_S = 1.0
+"""Longest wait before re-reading the membership (who is expected, who is top), seconds."""
+
+
+@dataclass
+class WindowMachine:
+    """One (round, fragment) window: accept deltas, then wait / close / move / expire.
+
+    Pure: time comes in as `now`, the live membership as arguments; the networked
+    synchronizer owns the clock, the tensors and the replies. Once `closing` is set no
+    delta is accepted (it would otherwise be lost in a merge that already started).
+    """
+
+    round: int
+    fragment: int
+    opened_at: float
+    deadline_s: float
+    min_quorum: int
+    min_token_fraction: float = 0.0
+    arrivals: dict[str, Arrival] = field(default_factory=dict)
+    quorum_at: float | None = None
+    grace_s: float = 0.0
+    closing: bool = False
+
+    def accept(self, peer: str, tokens: int, steps: int, step_time_s: float, now: float) -> str | None:
+        """Admit one delta; returns the reason it is refused, or None."""
+        if self.closing:
+            return "window is closing"
+        if peer in self.arrivals:
+            return "already contributed to this window"
+        if not math.isfinite(step_time_s) or step_time_s < 0:
+            step_time_s = 0.0
+        self.arrivals[peer] = Arrival(tokens, steps, step_time_s, now)
+        return None
+
+    def next_action(
+        self,
+        now: float,
+        *,
+        expected: set[str],
+        better_placed: str | None,
+        step_time_s: float,
+        sync_time_s: float,
+        overlap_steps: int,
+        gamma: float,
+        max_grace_s: float,
+    ) -> Action:
+        """What the synchronizer should do now.
+
+        `expected`: live learners (those who arrived count too); `better_placed`: the peer
+        above this one in the rendezvous order of the window, if any; `step_time_s`: the
+        observed inner-step time (falls back to the slowest arrival's claim, bounded).
+        """
+        tokens = sum(a.tokens for a in self.arrivals.values())
+        expected = expected | set(self.arrivals)
+        if self.quorum_at is None:
+            expected_tokens = int(tokens / max(len(self.arrivals), 1) * len(expected))
+            if quorum_met(
+                len(self.arrivals),
+                tokens,
+                min_quorum=self.min_quorum,
+                min_token_fraction=self.min_token_fraction,
+                expected_tokens=expected_tokens,
+            ):
+                self.quorum_at = now
+                self.grace_s = grace_window_s(
+                    step_time_s=step_time_s,
+                    overlap_steps=overlap_steps,
+                    time_to_quorum_s=now - self.opened_at,
+                    sync_time_s=sync_time_s,
+                    gamma=gamma,
+                    max_grace_s=max_grace_s,
+                )
+        if should_close(
+            now=now,
+            quorum_time=self.quorum_at,
+            grace_s=self.grace_s,
+            num_arrived=len(self.arrivals),
+            num_expected=len(expected),
+        ):
+            self.closing = True
+            return Close(self.grace_s)
+        if self.quorum_at is None:
+            if better_placed is not None:
+                self.closing = True
+                return Move(better_placed)
+            if now >= self.opened_at + self.deadline_s:
+                self.closing = True
+                return Expire(
+                    f"{len(self.arrivals)} of {self.min_quorum} learners before the deadline"
+                )
+            until = self.opened_at + self.deadline_s
+        else:
+            until = self.quorum_at + self.grace_s
+        return Wait(min(until, now + RECHECK_S))

@@ -153,7 +153,13 @@ register_kind(
     MessageKind(
         OUTER_UPDATE,
         required={"peer": "str"},
-        optional={"contributors": "list", "tokens": "uint"},
+        optional={
+            "contributors": "list",
+            "tokens": "uint",
+            "parent": "str",
+            "hash": "str",
+            "grace_s": "float",
+        },
     )
 )
 register_kind(MessageKind(STATE_REQUEST, required={"peer": "str"}, carries_tensors=False))

@@ -17,12 +17,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script from a checkout
+
+from p2pdiloco.launcher import Child, wait_all_ready  # noqa: E402
 
 QUICK = {
     "sets": [
@@ -85,22 +87,36 @@ def lone_worker(sets: list[str], steps: int, rank: int) -> None:
     )
 
 
-def _read_events(proc: subprocess.Popen) -> list[dict]:
-    events = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return events
+def _spawn(argv: list[str], name: str, stdin: bool = False) -> Child:
+    """`python <argv>` from the checkout, in its own process group."""
+    return Child.spawn([sys.executable, *argv], name, cwd=REPO, env=_env(), stdin=stdin)
 
 
-def run_lone(sets: list[str], steps: int, num: int) -> list[dict]:
-    procs = [
-        subprocess.Popen(
+def _finish(children: list[Child], deadline: float) -> list[int | None]:
+    """Each child's exit code, waiting until `deadline`; SIGKILL of the group after it."""
+    codes = []
+    for child in children:
+        code = child.wait_exit(deadline - time.monotonic())
+        codes.append(code if code is not None else child.kill())
+    return codes
+
+
+def _report_failures(children: list[Child], codes: list[int | None]) -> None:
+    """Name each child that left no summary, with the end of its stderr."""
+    for child, code in zip(children, codes, strict=True):
+        if child.first("summary") is None:
+            print(
+                f"bench_swarm: {child.name} exited {code} without a summary; stderr tail:",
+                file=sys.stderr,
+            )
+            print(child.stderr_tail(2000), file=sys.stderr)
+
+
+def run_lone(sets: list[str], steps: int, num: int, timeout_s: float) -> list[dict | None]:
+    """`num` lone learners, released together once all are ready; their summaries."""
+    children = [
+        _spawn(
             [
-                sys.executable,
                 __file__,
                 "--lone-worker",
                 "--rank",
@@ -109,37 +125,31 @@ def run_lone(sets: list[str], steps: int, num: int) -> list[dict]:
                 str(steps),
                 *sum((["--set", s] for s in sets), []),
             ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=_env(),
-            cwd=REPO,
+            f"lone{i}",
+            stdin=True,
         )
         for i in range(num)
     ]
-    for proc in procs:
-        assert proc.stdout is not None
-        proc.stdout.readline()  # {"ready": true}
-    for proc in procs:
-        assert proc.stdin is not None
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-    return [next(e for e in _read_events(p) if e.get("event") == "summary") for p in procs]
+    try:
+        deadline = time.monotonic() + timeout_s
+        wait_all_ready(children, timeout_s)
+        for child in children:
+            child.write_line("go")
+        codes = _finish(children, deadline)
+        _report_failures(children, codes)
+        return [child.first("summary") for child in children]
+    finally:
+        for child in children:
+            child.reap()
 
 
 def run_swarm(sets: list[str], steps: int, num: int, timeout_s: float) -> list[list[dict]]:
-    boot = subprocess.Popen(
-        [sys.executable, "-m", "p2pdiloco", "bootstrap", "--events"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=_env(),
-        cwd=REPO,
-        start_new_session=True,
-    )
+    """A bootstrap node and `num` peers that leave after `steps`; each peer's events."""
+    boot = _spawn(["-m", "p2pdiloco", "bootstrap", "--events"], "bootstrap")
+    peers: list[Child] = []
     try:
-        assert boot.stdout is not None
-        maddrs = json.loads(boot.stdout.readline())["maddrs"]
+        deadline = time.monotonic() + timeout_s
+        maddrs = boot.wait_ready(timeout_s)["maddrs"]
         args = [
             "-m",
             "p2pdiloco",
@@ -158,33 +168,14 @@ def run_swarm(sets: list[str], steps: int, num: int, timeout_s: float) -> list[l
         ]
         for item in sets:
             args += ["--set", item]
-        procs = [
-            subprocess.Popen(
-                [sys.executable, *args, "--data-rank", str(i)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-                env=_env(),
-                cwd=REPO,
-                start_new_session=True,
-            )
-            for i in range(num)
-        ]
-        deadline = time.monotonic() + timeout_s
-        logs = []
-        for proc in procs:
-            try:
-                proc.wait(max(deadline - time.monotonic(), 1))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            logs.append(_read_events(proc))
-        return logs
+        peers = [_spawn([*args, "--data-rank", str(i)], f"peer{i}") for i in range(num)]
+        codes = _finish(peers, deadline)
+        _report_failures(peers, codes)
+        return [list(peer.events) for peer in peers]
     finally:
-        boot.terminate()
-        try:
-            boot.wait(30)
-        except subprocess.TimeoutExpired:
-            boot.kill()
+        boot.stop(30)
+        for child in [*peers, boot]:
+            child.reap()
 
 
 def main() -> int:
@@ -205,11 +196,11 @@ def main() -> int:
     sets = [*setting["sets"], *COMMON, *args.overrides]
     steps = setting["steps"]
     started = time.time()
-    lone = run_lone(sets, steps, args.peers)
+    lone = run_lone(sets, steps, args.peers, timeout_s=1800)
     swarm_logs = run_swarm(sets, steps, args.peers, timeout_s=1800)
     summaries = [next((e for e in log if e.get("event") == "summary"), None) for log in swarm_logs]
-    if any(s is None for s in summaries):
-        print("bench_swarm: a peer did not finish; see its stderr", file=sys.stderr)
+    if any(s is None for s in [*lone, *summaries]):
+        print("bench_swarm: a learner did not finish (stderr tails above)", file=sys.stderr)
         return 1
     lone_rate = statistics.mean(s["steps"] / s["loop_s"] for s in lone)
     swarm_rate = statistics.mean(s["steps"] / s["loop_s"] for s in summaries)

@@ -6,6 +6,7 @@ import ast
 import io
 import math
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2pdiloco import compress
+from p2pdiloco import compress, config
 from p2pdiloco.compress import (
     CODECS,
     EncodedTensor,
@@ -25,8 +26,8 @@ from p2pdiloco.compress import (
     make_codec,
     make_codec_from_config,
 )
-from p2pdiloco.config import CODECS as CONFIG_CODECS
 from p2pdiloco.config import CompressConfig
+from p2pdiloco.errors import ConfigError
 
 SHAPES = [(), (0,), (1,), (7,), (257,), (3, 5, 7), (2, 0, 3), (64, 300)]
 BLOCK_CODECS = ("int8", "int4", "fp4")
@@ -58,10 +59,46 @@ def block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
 # the interface
 
 
+def _string_literals(module: ModuleType) -> set[str]:
+    """Every string constant in a module's source: candidate codec names."""
+    tree = ast.parse(Path(module.__file__).read_text())
+    return {
+        n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    }
+
+
+def _config_accepts(field: str, name: str) -> bool:
+    """Whether `CompressConfig` validation lets `field` be `name`."""
+    try:
+        CompressConfig(**{field: name})
+    except ConfigError:
+        return False
+    return True
+
+
+def _compress_implements(name: str) -> bool:
+    """Whether `make_codec` builds a codec called `name` (and it says so)."""
+    try:
+        codec = make_codec(name)
+    except ValueError:
+        return False
+    assert codec.name == name
+    return True
+
+
 def test_codec_names_match_the_config() -> None:
-    assert CODECS == CONFIG_CODECS
-    for name in CODECS:
-        assert make_codec(name).name == name
+    """The names config validation accepts are exactly the codecs compress.py builds.
+
+    `compress.CODECS` is `config.CODECS` (one tuple), so comparing them proves nothing: both
+    sets are found by trying every string literal of either module, one through
+    `CompressConfig`'s validation, the other through `make_codec`.
+    """
+    candidates = _string_literals(config) | _string_literals(compress)
+    implemented = {name for name in candidates if _compress_implements(name)}
+    assert {"fp32", "int8", "topk"} <= implemented
+    for field in ("codec", "outer_codec"):
+        accepted = {name for name in candidates if _config_accepts(field, name)}
+        assert accepted == implemented, f"compress.{field}: {accepted ^ implemented}"
 
 
 def test_unknown_codec_and_bad_parameters_are_value_errors() -> None:

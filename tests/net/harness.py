@@ -16,29 +16,35 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import queue
 import signal
-import subprocess
 import sys
-import tempfile
-import threading
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from p2pdiloco.launcher import Child, ChildFailedToStart, reap_all, wait_all_ready
+
+__all__ = [
+    "REPO_ROOT",
+    "TRANSPORT_PEER",
+    "PeerFailedToStart",
+    "PeerProcess",
+    "free_port",
+    "launch_peer_process",
+    "pid_alive",
+    "process_group_pids",
+    "process_name",
+    "reap_all",
+    "start_peer_process",
+    "start_peer_processes",
+    "write_identity",
+]
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TRANSPORT_PEER = Path(__file__).resolve().parent / "transport_peer.py"
 
-_EOF = object()
-
-
-class PeerFailedToStart(RuntimeError):
-    """The child exited or reported `"ready": false` before it was ready."""
-
-    def __init__(self, message: str, report: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.report = report or {}
+PeerFailedToStart = ChildFailedToStart
+"""The child exited or reported `"ready": false` before it was ready (`.report`)."""
 
 
 def process_group_pids(pgid: int) -> list[int]:
@@ -75,25 +81,18 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-class PeerProcess:
-    """A running child peer: its readiness report, its events, and signals to send it."""
+class PeerProcess(Child):
+    """A running child peer: its readiness report, its events, and signals to send it.
 
-    def __init__(self, popen: subprocess.Popen, name: str, stderr_path: str) -> None:
-        self.popen = popen
-        self.name = name
-        self.stderr_path = stderr_path
-        self.report: dict[str, Any] = {}
-        self.noise: list[str] = []
-        self._events: queue.Queue = queue.Queue()
+    Starting, reading, waiting, stopping and reaping are `p2pdiloco.launcher.Child`'s;
+    this adds the peer's identity, its stdin requests and its process-group probes.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._ids = itertools.count(1)
-        self._reader = threading.Thread(target=self._read_stdout, daemon=True)
-        self._reader.start()
 
     # ---- identity --------------------------------------------------------------------
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
 
     @property
     def peer_id(self) -> str:
@@ -111,24 +110,7 @@ class PeerProcess:
         """Live p2pd daemons this peer spawned."""
         return [pid for pid in self.group_pids() if process_name(pid) == "p2pd"]
 
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
     # ---- events ----------------------------------------------------------------------
-
-    def _read_stdout(self) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                self.noise.append(line.rstrip("\n"))
-                continue
-            if isinstance(event, dict):
-                self._events.put(event)
-            else:
-                self.noise.append(line.rstrip("\n"))
-        self._events.put(_EOF)
 
     def next_event(
         self, timeout_s: float, match: Callable[[dict[str, Any]], bool] | None = None
@@ -137,26 +119,11 @@ class PeerProcess:
 
         Events that do not match are dropped. Raises EOFError when the child's stdout closed.
         """
-        deadline = time.monotonic() + timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"{self.name}: no matching event within {timeout_s}s")
-            try:
-                event = self._events.get(timeout=remaining)
-            except queue.Empty:
-                continue
-            if event is _EOF:
-                self._events.put(_EOF)  # stay at EOF for later readers
-                raise EOFError(f"{self.name} closed stdout; stderr tail:\n{self.stderr_tail()}")
-            if match is None or match(event):
-                return event
+        return self.wait_event(match, timeout_s)
 
     def send(self, message: dict[str, Any]) -> None:
         """Write one JSON line to the child's stdin."""
-        assert self.popen.stdin is not None
-        self.popen.stdin.write(json.dumps(message) + "\n")
-        self.popen.stdin.flush()
+        self.write_line(json.dumps(message))
 
     def request(self, message: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """Send `message` with a fresh `"id"` and wait up to `timeout_s` for the reply."""
@@ -164,104 +131,41 @@ class PeerProcess:
         self.send({**message, "id": request_id})
         return self.next_event(timeout_s, lambda event: event.get("id") == request_id)
 
-    def wait_ready(self, timeout_s: float) -> dict[str, Any]:
-        """Wait for the readiness report; raises PeerFailedToStart if it is negative."""
-        try:
-            report = self.next_event(timeout_s, lambda event: "ready" in event)
-        except (TimeoutError, EOFError) as e:
-            raise PeerFailedToStart(f"{self.name} not ready: {e}\n{self.stderr_tail()}") from None
-        self.report = report
-        if not report["ready"]:
-            raise PeerFailedToStart(f"{self.name} failed to start: {report}", report)
-        return report
-
-    def stderr_tail(self, num_bytes: int = 4000) -> str:
-        try:
-            with open(self.stderr_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - num_bytes))
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
-
     # ---- signals ---------------------------------------------------------------------
 
-    def _signal_group(self, signum: int) -> None:
-        try:
-            os.killpg(self.pid, signum)
-        except ProcessLookupError:
-            pass
-
-    def kill(self, group: bool = True) -> None:
+    def kill(self, group: bool = True) -> int | None:  # type: ignore[override]
         """SIGKILL the whole process group (a machine dying), and reap the child.
 
         `group=False` kills only the peer's own process (the OOM killer's choice), leaving
         whatever it spawned to notice on its own.
         """
         if group:
-            self._signal_group(signal.SIGKILL)
-        elif self.alive():
-            self.popen.kill()
-        self.popen.wait(timeout=30)
-
-    def stop(self, timeout_s: float = 30) -> int:
-        """SIGTERM the peer (it shuts down cleanly); SIGKILL the group after `timeout_s`."""
+            return super().kill()
         if self.alive():
-            self.popen.send_signal(signal.SIGTERM)
-        try:
-            return self.popen.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            return self.popen.returncode
+            self.popen.kill()
+        return self.wait_exit(30)
 
     def suspend(self) -> None:
         """SIGSTOP the whole group: the peer (and its daemon) freeze, sockets stay open."""
-        self._signal_group(signal.SIGSTOP)
+        self.signal_group(signal.SIGSTOP)
 
     def resume(self) -> None:
         """SIGCONT the whole group."""
-        self._signal_group(signal.SIGCONT)
-
-    def reap(self) -> None:
-        """Kill whatever is left of the group, even orphans, and close pipes."""
-        self._signal_group(signal.SIGCONT)
-        self._signal_group(signal.SIGKILL)
-        try:
-            self.popen.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-        for stream in (self.popen.stdin, self.popen.stdout):
-            try:
-                if stream is not None:
-                    stream.close()
-            except OSError:
-                pass
-        try:
-            os.unlink(self.stderr_path)
-        except OSError:
-            pass
+        self.signal_group(signal.SIGCONT)
 
 
 def launch_peer_process(args: Sequence[str], name: str | None = None) -> PeerProcess:
     """Launch `python <args...>` (a script path or `-m module`) without waiting for it."""
-    env = os.environ.copy()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    env["PYTHONUNBUFFERED"] = "1"
-    fd, stderr_path = tempfile.mkstemp(prefix="peer-", suffix=".stderr")
-    with os.fdopen(fd, "wb") as stderr:
-        popen = subprocess.Popen(
-            [sys.executable, *map(str, args)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            text=True,
-            bufsize=1,
-            cwd=REPO_ROOT,
-            env=env,
-            start_new_session=True,  # own process group: kill() reaches the daemons too
-        )
-    peer = PeerProcess(popen, name or f"peer-{popen.pid}", stderr_path)
-    _LIVE.append(peer)
+    pythonpath = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    peer = PeerProcess.spawn(
+        [sys.executable, *map(str, args)],
+        name,
+        cwd=REPO_ROOT,
+        env={"PYTHONPATH": pythonpath},
+        stdin=True,
+    )
+    if name is None:
+        peer.name = f"peer-{peer.pid}"
     return peer
 
 
@@ -279,19 +183,8 @@ def start_peer_processes(
 ) -> list[PeerProcess]:
     """Launch several peers at the same instant, then wait until every one is ready."""
     peers = [launch_peer_process(args) for args in many_args]
-    deadline = time.monotonic() + ready_timeout_s
-    for peer in peers:
-        peer.wait_ready(max(1.0, deadline - time.monotonic()))
+    wait_all_ready(peers, ready_timeout_s)
     return peers
-
-
-_LIVE: list[PeerProcess] = []
-
-
-def reap_all() -> None:
-    """Kill every peer launched so far (and its process group)."""
-    while _LIVE:
-        _LIVE.pop().reap()
 
 
 _B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"

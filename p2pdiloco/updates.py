@@ -1,0 +1,144 @@
+"""Outer updates as one representation: a signed-off wire frame, stored and served as is.
+
+A synchronizer encodes the merged outer gradient of (round, fragment) once, into an
+OUTER_UPDATE frame whose meta names the parent hash, the resulting hash and the
+contributors. The frame's digest identifies it everywhere: round records name it,
+holders keep it, `get_update` serves it byte for byte, and every replica decodes the
+same bytes, so every replica applies the same bits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from p2pdiloco import compress, wire
+
+MAX_KEPT_PER_FRAGMENT = 48
+"""Update frames kept per fragment (committed and held), oldest dropped first."""
+
+
+def update_digest(frame: bytes) -> str:
+    """Hex digest of an update frame's bytes."""
+    return hashlib.blake2b(frame, digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class Update:
+    """A validated update frame and what its meta says."""
+
+    frame: bytes
+    digest: str
+    round: int
+    fragment: int
+    synchronizer: str
+    parent: str
+    hash: str
+    contributors: tuple[tuple[str, float, int], ...]
+    tensors: dict[str, compress.EncodedTensor]
+
+    def decode(self) -> dict[str, torch.Tensor]:
+        """The outer gradient (heavy: call off the event loop). Raises ValueError if bad."""
+        decoded = compress.decode_tensors(self.tensors)
+        for name, tensor in decoded.items():
+            if not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"update tensor {name} is not finite")
+        return decoded
+
+
+def build_update_frame(
+    run: str,
+    round_id: int,
+    fragment: int,
+    synchronizer: str,
+    parent: str,
+    new_hash: str,
+    contributors: list[tuple[str, float, int]],
+    tensors: dict[str, compress.EncodedTensor],
+    grace_s: float = 0.0,
+) -> bytes:
+    """Encode the one frame that represents (round, fragment)'s outer update."""
+    return wire.encode_message(
+        wire.Message(
+            kind=wire.OUTER_UPDATE,
+            run=run,
+            round=round_id,
+            fragment=fragment,
+            meta={
+                "peer": synchronizer,
+                "parent": parent,
+                "hash": new_hash,
+                "contributors": [list(c) for c in contributors],
+                "tokens": sum(int(t) for _, _, t in contributors),
+                "grace_s": float(grace_s),
+            },
+            tensors=tensors,
+        )
+    )
+
+
+def parse_update(
+    frame: bytes,
+    limits: wire.WireLimits,
+    run: str,
+    shapes: list[dict[str, tuple[int, ...]]],
+) -> Update | wire.Rejected:
+    """Validate an update frame against the run and the fragment layout (`shapes[f]`)."""
+    msg = wire.decode_message(frame, limits)
+    if isinstance(msg, wire.Rejected):
+        return msg
+    if msg.kind != wire.OUTER_UPDATE or msg.run != run:
+        return wire.Rejected(f"expected an outer update of run {run!r}, got {msg.kind}")
+    if not 0 <= msg.fragment < len(shapes):
+        return wire.Rejected(f"no fragment {msg.fragment}")
+    layout = shapes[msg.fragment]
+    if set(msg.tensors) != set(layout):
+        return wire.Rejected(f"update tensors do not match fragment {msg.fragment}")
+    for name, encoded in msg.tensors.items():
+        if tuple(encoded.shape) != tuple(layout[name]):
+            return wire.Rejected(f"update tensor {name} has shape {tuple(encoded.shape)}")
+    meta = msg.meta
+    parent, new_hash = meta.get("parent"), meta.get("hash")
+    if not isinstance(parent, str) or not isinstance(new_hash, str) or not new_hash:
+        return wire.Rejected("update lacks its parent or result hash")
+    try:
+        contributors = tuple(
+            (str(p), float(w), int(t)) for p, w, t in meta.get("contributors", [])
+        )
+    except (TypeError, ValueError):
+        return wire.Rejected("update has malformed contributors")
+    return Update(
+        frame=bytes(frame),
+        digest=update_digest(bytes(frame)),
+        round=msg.round,
+        fragment=msg.fragment,
+        synchronizer=str(meta["peer"]),
+        parent=parent,
+        hash=new_hash,
+        contributors=contributors,
+        tensors=msg.tensors,
+    )
+
+
+class UpdateStore:
+    """Update frames this peer holds (committed or not yet), by digest, bounded per fragment."""
+
+    def __init__(self, max_per_fragment: int = MAX_KEPT_PER_FRAGMENT) -> None:
+        self.max_per_fragment = max_per_fragment
+        self._frames: dict[int, OrderedDict[str, Update]] = {}
+
+    def put(self, update: Update) -> None:
+        kept = self._frames.setdefault(update.fragment, OrderedDict())
+        kept[update.digest] = update
+        kept.move_to_end(update.digest)
+        while len(kept) > self.max_per_fragment:
+            kept.popitem(last=False)
+
+    def get(self, fragment: int, digest: str) -> Update | None:
+        return self._frames.get(fragment, {}).get(digest)
+
+    def of_round(self, fragment: int, round_id: int) -> list[Update]:
+        return [u for u in self._frames.get(fragment, {}).values() if u.round == round_id]
