@@ -4,7 +4,7 @@ The cross-CPU test runs this file as a script in subprocesses, one per
 `ATEN_CPU_CAPABILITY` this machine can run (default, and avx2/avx512 where the CPU has
 them): each builds the tiny model, runs five rounds of encode -> decode -> merge -> outer
 step on two fragments under every merge rule, codec and momentum schedule, and prints the
-hashes. Fused multiply-adds (`alpha=`), vectorised reductions or torch's own random init
+hashes of the decoded deltas (and their norms), the merged gradients and the fragments. Fused multiply-adds (`alpha=`), vectorised reductions or torch's own random init
 make these lists differ between kernel sets; the test asserts they are equal.
 """
 
@@ -23,7 +23,7 @@ import torch
 from p2pdiloco.compress import decode_tensor, make_codec
 from p2pdiloco.config import OuterConfig
 from p2pdiloco.model import build_model
-from p2pdiloco.outer import fixed_order_sum, merge, token_weights
+from p2pdiloco.outer import fixed_order_sum, merge, tensor_norm, token_weights
 from p2pdiloco.state import FragmentState, GlobalState, hash_tensors
 
 ROUNDS = 5
@@ -58,6 +58,10 @@ def _deltas(
 
 def worker() -> None:
     """Print the initial hash, then every fragment hash after every round of every variant."""
+    # One thread: several workers (and other tests) share the CPU, and OpenMP threads that
+    # spin while oversubscribed make this 10-50x slower. Results do not depend on threads
+    # (test_fixed_order_sum_does_not_depend_on_layout_threads_or_dtype).
+    torch.set_num_threads(1)
     print("capability", torch.backends.cpu.get_cpu_capability())
     params = {n: p.detach().clone() for n, p in build_model("tiny", seed=1234).named_parameters()}
     print("init", hash_tensors(params))
@@ -89,7 +93,9 @@ def worker() -> None:
                     {n: decode_tensor(codec.encode(t)) for n, t in delta.items()}
                     for delta in deltas
                 ]
-                print("decoded", round_id, fragment, codec_name, hash_tensors(decoded[0]))
+                print("decoded", round_id, fragment, codec_name, hash_tensors(decoded[0]), end=" ")
+                # the norms the synchronizer screens deltas with, to the last bit
+                print(*(tensor_norm(delta).hex() for delta in decoded))
                 embeddings = frozenset(n for n in fragment_names if n.startswith("embed."))
                 for (rule, codec_of, every), state in variants.items():
                     if codec_of != codec_name:
@@ -101,6 +107,9 @@ def worker() -> None:
                         norm=state.outer.radial_norm,
                         plain_mean_names=embeddings,
                     )
+                    # the merge itself too: the outer codec below would hide a last-bit change
+                    print("merged", round_id, fragment, rule, codec_name, every, end=" ")
+                    print(hash_tensors(merged))
                     # as the synchronizer does: replicas apply the decoded outer gradient
                     update = {n: decode_tensor(outer_codec.encode(t)) for n, t in merged.items()}
                     new_hash = state.apply_update(fragment, round_id, update)
@@ -139,7 +148,7 @@ def test_hashes_are_identical_across_cpu_kernel_sets() -> None:
     # The variable took effect: `default` really ran the non-vectorised kernels.
     assert runs["default"][0] == "capability DEFAULT"
     reference = runs[None]
-    expected = 2 + ROUNDS * 2 * len(CODECS) * (1 + len(RULES) * len(DELAYED))
+    expected = 2 + ROUNDS * 2 * len(CODECS) * (1 + 2 * len(RULES) * len(DELAYED))
     assert len(reference) == expected
     for capability, lines in runs.items():
         assert lines[1] == reference[1], f"initial model differs under {capability}"
@@ -174,12 +183,14 @@ def test_fixed_order_sum_is_the_pairwise_tree_and_close_to_fsum(count: int) -> N
 
 
 def test_fixed_order_sum_does_not_depend_on_layout_threads_or_dtype() -> None:
-    values = _uniform(np.random.PCG64(5), 3 * 1001, 1.0).astype(np.float32)
+    # big enough for torch to split the elementwise adds over threads (grain 32768)
+    values = _uniform(np.random.PCG64(5), 3 * 33_335, 1.0).astype(np.float32)
     flat = torch.from_numpy(values)
     expected = fixed_order_sum(flat)
+    assert expected == _tree_sum([float(v) for v in values])
     # the same values seen through another shape, a transposed copy, float64 and 1 thread
-    assert fixed_order_sum(flat.view(3, 1001)) == expected
-    transposed = flat.view(3, 1001).t().contiguous().t()  # non-contiguous, same order
+    assert fixed_order_sum(flat.view(3, 33_335)) == expected
+    transposed = flat.view(3, 33_335).t().contiguous().t()  # non-contiguous, same order
     assert not transposed.is_contiguous() and fixed_order_sum(transposed) == expected
     assert fixed_order_sum(flat.double()) == expected
     threads = torch.get_num_threads()

@@ -154,14 +154,17 @@ class PeerProcess(Child):
         self.signal_group(signal.SIGCONT)
 
 
-def launch_peer_process(args: Sequence[str], name: str | None = None) -> PeerProcess:
-    """Launch `python <args...>` (a script path or `-m module`) without waiting for it."""
+def launch_peer_process(
+    args: Sequence[str], name: str | None = None, env: dict[str, str] | None = None
+) -> PeerProcess:
+    """Launch `python <args...>` (a script path or `-m module`) without waiting for it;
+    `env` entries are added to its environment."""
     pythonpath = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     peer = PeerProcess.spawn(
         [sys.executable, *map(str, args)],
         name,
         cwd=REPO_ROOT,
-        env={"PYTHONPATH": pythonpath},
+        env={**(env or {}), "PYTHONPATH": pythonpath},
         stdin=True,
     )
     if name is None:
@@ -179,10 +182,13 @@ def start_peer_process(
 
 
 def start_peer_processes(
-    many_args: Sequence[Sequence[str]], ready_timeout_s: float = 120
+    many_args: Sequence[Sequence[str]],
+    ready_timeout_s: float = 120,
+    envs: Sequence[dict[str, str] | None] | None = None,
 ) -> list[PeerProcess]:
     """Launch several peers at the same instant, then wait until every one is ready."""
-    peers = [launch_peer_process(args) for args in many_args]
+    envs = envs or [None] * len(many_args)
+    peers = [launch_peer_process(args, env=env) for args, env in zip(many_args, envs, strict=True)]
     wait_all_ready(peers, ready_timeout_s)
     return peers
 

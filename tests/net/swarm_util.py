@@ -37,14 +37,29 @@ def start_bootstrap() -> PeerProcess:
 
 
 def start_learners(
-    num: int, initial: list[str], sets: list[str] = (), flags: list[str] = (), per_peer=None
+    num: int,
+    initial: list[str],
+    sets: list[str] = (),
+    flags: list[str] = (),
+    per_peer=None,
+    env_of=None,
 ) -> list[PeerProcess]:
-    """Start `num` learners at the same instant; `per_peer(i)` adds flags for learner i."""
+    """Start `num` learners at the same instant; `per_peer(i)` adds flags for learner i,
+    `env_of(i)` environment variables."""
     many = [
         join_args(initial=initial, sets=sets, flags=[*flags, *(per_peer(i) if per_peer else [])])
         for i in range(num)
     ]
-    return start_peer_processes(many, ready_timeout_s=240)
+    envs = [env_of(i) if env_of else None for i in range(num)]
+    return start_peer_processes(many, ready_timeout_s=240, envs=envs)
+
+
+def applied_hashes_by_round(log: Events) -> dict[tuple[int, int], set[str]]:
+    """(fragment, round) -> every hash this peer ever applied for it (a fork shows two)."""
+    seen: dict[tuple[int, int], set[str]] = {}
+    for e in log.of("applied"):
+        seen.setdefault((e["fragment"], e["round"]), set()).add(e["hash"])
+    return seen
 
 
 class Events:
