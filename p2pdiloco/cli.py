@@ -225,6 +225,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         corrupt_rounds=args.corrupt_rounds,
         crash_at=args.crash_at or os.environ.get("P2PDILOCO_CRASH_AT", ""),
         checkpoint_every_s=args.checkpoint_every_s,
+        split_view_rounds=args.split_view_rounds,
         torch_threads=args.threads,
         eval_batches=args.eval_batches,
         startup_timeout_s=args.startup_timeout_s,
@@ -624,6 +625,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="fault injection: PHASE[:ROUND], SIGKILL this peer at that phase of a commit "
         "(after_quorum, during_merge, after_hold, after_record, after_first_reply); "
         "also P2PDILOCO_CRASH_AT",
+    )
+    join.add_argument(
+        "--split-view-rounds", type=int, default=0,
+        help="fault injection: see only this peer and ignore rival records for the first "
+        "N rounds (forces two commits of one round)",
     )
     join.add_argument(
         "--checkpoint-every-s", type=float, default=60.0,

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import signal
+from collections.abc import Callable
 
 from p2pdiloco import compress, wire
 from p2pdiloco.synchronizer import Hook, no_hook
@@ -98,3 +99,33 @@ def faulty_contribute(contribute, straggle_s: float, straggle_rounds: int, corru
         return await contribute(fragment, target_round, frame)
 
     return wrapped
+
+
+class SplitView:
+    """Fault injection: for the first `rounds` rounds of fragment 0 this peer sees only
+    itself when it elects, contributes and synchronizes, and ignores rival records, so
+    two peers commit the same round on purpose (the canonical-chain rule must then pick
+    one everywhere). Replica sync keeps the true view, so the loser can repair."""
+
+    def __init__(self, rounds: int, own_id: Callable[[], str], round_of: Callable[[int], int]) -> None:
+        self.rounds = rounds
+        self.own_id = own_id
+        self.round_of = round_of
+
+    def blind(self) -> bool:
+        return self.round_of(0) < self.rounds
+
+    def view(self, members: Callable[[], dict]) -> Callable[[], dict]:
+        """The membership as this peer's roles see it."""
+
+        def seen() -> dict:
+            everyone = members()
+            if not self.blind():
+                return everyone
+            me = self.own_id()
+            return {me: everyone[me]} if me in everyone else {}
+
+        return seen
+
+    def rivals_visible(self, round_id: int) -> bool:
+        return round_id >= self.rounds

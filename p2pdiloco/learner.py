@@ -118,7 +118,8 @@ class Learner:
         """Deltas a synchronizer reported merged, until the canonical record settles them."""
         self.committed: queue.SimpleQueue[tuple[int, int, frozenset[str]]] = queue.SimpleQueue()
         """(fragment, round, contributors) of each committed round the replica reached."""
-        self._settled: dict[int, dict[int, frozenset[str]]] = {f: {} for f in range(state.num_fragments)}
+        self.booked: dict[tuple[int, int], InFlight] = {}
+        """The last deltas booked as merged, kept in case a rival record wins their round."""
         state.listeners.append(lambda fragment, round_id: self.received.put((fragment, round_id)))
         self.load_global_into_model(range(num_fragments))
 
@@ -302,6 +303,7 @@ class Learner:
             and fragment not in self.in_flight
         ):
             self.progress.status = "straggling"
+            self.on_event({"event": "resent", "fragment": fragment, "round": item.target_round, "to": next_round})
             item.target_round, item.resent = next_round, True
             self._send(fragment, item)
         else:
@@ -309,32 +311,41 @@ class Learner:
             self.on_event({"event": "delta_dropped", "fragment": fragment, "round": item.target_round})
 
     def settle(self) -> None:
-        """Book merged deltas once the canonical record of their round lists this peer;
-        resend those that only a losing (rival) update merged."""
+        """Book merged deltas by the canonical record of their round (as the DHT holds it);
+        resend those only a losing rival update merged, and un-book one whose round a
+        rival took over after it was booked."""
         while True:
             try:
                 fragment, round_id, contributors = self.committed.get_nowait()
             except queue.Empty:
                 break
-            settled = self._settled[fragment]
-            settled[round_id] = contributors
-            for old in [r for r in settled if r < round_id - 64]:
-                del settled[old]
-        for (fragment, round_id), item in list(self.awaiting.items()):
-            contributors = self._settled[fragment].get(round_id)
-            if contributors is None:
-                continue
-            del self.awaiting[(fragment, round_id)]
-            if self.peer_id in contributors:
-                self.progress.rounds_contributed += 1
-                self.progress.tokens_contributed += item.tokens
-                self.progress.last_weight = item.weight
-            else:
+            key = (fragment, round_id)
+            listed = self.peer_id in contributors
+            item = self.awaiting.pop(key, None)
+            if item is not None and listed:
+                self._book(key, item, +1)
+            elif item is not None:
                 log.warning(
-                    "delta merged only in a losing update fragment=%d round=%d: resending",
-                    fragment, item.target_round,
+                    "delta not in the committed round fragment=%d round=%d: resending",
+                    fragment, round_id,
                 )
                 self.resend(fragment, item)
+            elif key in self.booked and not listed:
+                log.warning("a rival update took round=%d fragment=%d: resending", round_id, fragment)
+                self.resend(fragment, self._book(key, self.booked[key], -1))
+
+    def _book(self, key: tuple[int, int], item: InFlight, sign: int) -> InFlight:
+        """Count (+1) or un-count (-1) a merged delta; keeps the last few booked ones."""
+        self.progress.rounds_contributed += sign
+        self.progress.tokens_contributed += sign * item.tokens
+        if sign > 0:
+            self.progress.last_weight = item.weight
+            self.booked[key] = item
+            for old in sorted(self.booked)[:-16]:
+                del self.booked[old]
+        else:
+            self.booked.pop(key, None)
+        return item
 
     def take_over_updates(self) -> None:
         """Take over fragments whose global update was applied; reset their counters."""

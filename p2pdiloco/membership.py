@@ -15,7 +15,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Bumped on any incompatible change of the swarm's messages or records."""
 
 ROLES = ("learner", "observer", "bootstrap")

@@ -15,7 +15,7 @@ floats, and every reduction through `fixed_order_sum` (docs/arithmetic.md).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -25,27 +25,83 @@ Params = dict[str, torch.Tensor]
 _EPS = 1e-12
 
 
-def fixed_order_sum(tensor: torch.Tensor, *, square: bool = False) -> float:
-    """Sum of the elements (of their squares with `square`) in float64, in a fixed order.
+SUM_BLOCK = 1 << 15
+"""Leaf block of `fixed_order_sum`: 256 KiB of float64, summed while it is in cache."""
+_SUM_ROWS = 32  # leaf blocks converted at a time: an 8 MiB float64 scratch, reused
+_CHUNK = 1 << 20
+"""Elements per step of the elementwise loops. A fresh full-size temporary costs more in
+page faults (~4 ms per 10M fp32) than the arithmetic; a 4 MiB one is reused from the heap."""
 
-    `sum()` and `linalg.vector_norm` add in an order set by the SIMD width and the
-    threading of the kernel, so peers on different CPUs get different last bits. Here the
-    order is a pairwise tree fixed by the length alone: add the second half of the values
-    onto the first, elementwise, until one is left (an odd one out is carried unchanged,
-    as if padded with a zero). Elementwise adds round the same whatever the vector width.
-    Values and squares of fp32 (and bf16/fp16) are exact in float64.
-    """
-    values = torch.empty(tensor.numel(), dtype=torch.float64)
-    values.copy_(tensor.detach().reshape(-1))  # one copy, then the tree works in place
-    if square:
-        values.mul_(values)
-    n = values.numel()
+
+def _halve_(values: torch.Tensor) -> torch.Tensor:
+    """Sum along the last dim, in place: add the second half onto the first until one is
+    left (with an odd length the middle value is carried, as if padded with a zero)."""
+    n = values.shape[-1]
     while n > 1:
         half = (n + 1) // 2
         # The two slices never overlap (n - half <= half), so the in-place add is safe.
-        values[: n - half].add_(values[half:n])
+        values[..., : n - half].add_(values[..., half:n])
         n = half
-    return float(values[0]) if n else 0.0
+    return values[..., 0]
+
+
+def fixed_order_sum(tensor: torch.Tensor, *, square: bool = False) -> float:
+    """Sum of the elements (of their squares with `square`) in float64, in a fixed order.
+
+    `sum()` and `linalg.vector_norm` add in an order set by the SIMD width, the kernel set
+    and the thread count, so peers on different CPUs get different last bits. Here the
+    order is a pairwise tree fixed by the length alone: the flat values are cut into
+    blocks of `SUM_BLOCK` (the last one shorter), each block is summed by halving (add
+    its second half onto its first, elementwise, until one value is left), then the
+    block sums are halved the same way. Elementwise adds are rounded the same whatever
+    the vector width; values and squares of fp32 (and bf16/fp16) are exact in float64.
+    """
+    flat = tensor.detach().reshape(-1)
+    n = flat.numel()
+    if n == 0:
+        return 0.0
+    rows, tail = divmod(n, SUM_BLOCK)
+    sums = torch.empty(rows + (1 if tail else 0), dtype=torch.float64)
+    # Blocks a few at a time through one small scratch: no full-size float64 copy.
+    scratch = torch.empty(min(rows, _SUM_ROWS) * SUM_BLOCK, dtype=torch.float64)
+    for row in range(0, rows, _SUM_ROWS):
+        count = min(_SUM_ROWS, rows - row)
+        blocks = scratch[: count * SUM_BLOCK].view(count, SUM_BLOCK)
+        blocks.copy_(flat[row * SUM_BLOCK : (row + count) * SUM_BLOCK].view(count, SUM_BLOCK))
+        if square:
+            blocks.mul_(blocks)
+        sums[row : row + count] = _halve_(blocks)
+    if tail:
+        last = flat[rows * SUM_BLOCK :].to(torch.float64, copy=True)
+        if square:
+            last.mul_(last)
+        sums[-1] = _halve_(last)
+    return float(_halve_(sums))
+
+
+def _chunks(
+    target: torch.Tensor, *sources: torch.Tensor
+) -> Iterator[tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]]:
+    """(target part, source parts, fp32 scratch part) over matching flat chunks of tensors
+    with as many elements as `target`, which is updated in place through its part."""
+    if not target.is_contiguous():  # no flat view to update through: one chunk
+        scratch = torch.empty(target.shape, dtype=torch.float32)
+        yield target, [s.reshape(target.shape) for s in sources], scratch
+        return
+    flat = target.view(-1)
+    flats = [s.reshape(-1) for s in sources]
+    scratch = torch.empty(min(flat.numel(), _CHUNK), dtype=torch.float32)
+    for start in range(0, flat.numel(), _CHUNK):
+        stop = min(start + _CHUNK, flat.numel())
+        yield flat[start:stop], [f[start:stop] for f in flats], scratch[: stop - start]
+
+
+def _add_scaled_(target: torch.Tensor, tensor: torch.Tensor, scale: float) -> None:
+    """`target += scale * tensor`, the product rounded to fp32 before the add: the same
+    bits on every kernel set, unlike `add_(alpha=)`, a fused multiply-add on some only."""
+    for part, (source,), product in _chunks(target, tensor):
+        torch.mul(source, scale, out=product)
+        part.add_(product)
 
 
 def _l2_norm(tensor: torch.Tensor) -> float:
@@ -144,10 +200,8 @@ def merge_weighted(
     merged: Params = {}
     for name in deltas[0]:
         acc = torch.zeros_like(deltas[0][name], dtype=torch.float32)
-        term = torch.empty_like(acc)  # reused for every w * delta
         for delta, weight in zip(deltas, weights, strict=True):
-            torch.mul(delta[name].float(), float(weight), out=term)
-            acc.add_(term)
+            _add_scaled_(acc, delta[name].float(), float(weight))
         merged[name] = acc
     return merged
 
@@ -196,12 +250,10 @@ def merge_radial(
             continue
         norms = [_l2_norm(t) for t in tensors]
         direction = torch.zeros_like(tensors[0])
-        term = torch.empty_like(direction)
         for t, n, w in zip(tensors, norms, weights, strict=True):
             if n > _EPS:
                 # the coefficient in Python (float64), then one multiply and one add
-                torch.mul(t, float(w) / n, out=term)
-                direction.add_(term)
+                _add_scaled_(direction, t, float(w) / n)
         direction_norm = _l2_norm(direction)
         total_weight = math.fsum(weights)
         if direction_norm < cancel_ratio * total_weight:
@@ -289,18 +341,19 @@ def outer_step(
             else:
                 buf.mul_(momentum).add_(grad)  # buf = mu * buf + g
             state.momentum[name] = buf
-            if nesterov:
-                update = torch.mul(buf, momentum).add_(grad).mul_(lr)  # lr * (g + mu * buf)
-            else:
-                update = torch.mul(buf, lr)
-            param.sub_(update)
+            for part, (g, b), update in _chunks(param, grad, buf):
+                if nesterov:  # lr * (g + mu * buf), rounded at each step
+                    torch.mul(b, momentum, out=update).add_(g).mul_(lr)
+                else:
+                    torch.mul(b, lr, out=update)
+                part.sub_(update)
             continue
         acc = state.accumulated.get(name)
         if acc is None:
             state.accumulated[name] = grad.clone()
         else:
             acc.add_(grad)
-        param.sub_(torch.mul(grad, lr))
+        _add_scaled_(param, grad, -lr)  # -(lr * g) rounds as lr * g does, sign aside
         if state.tensor_steps[name] % delayed_every == 0:
             buf = state.momentum.get(name)
             mean_grad = state.accumulated.pop(name).div_(delayed_every)
@@ -309,4 +362,4 @@ def outer_step(
             else:
                 buf.mul_(momentum).add_(mean_grad)
             state.momentum[name] = buf
-            param.sub_(torch.mul(buf, lr * momentum))
+            _add_scaled_(param, buf, -(lr * momentum))

@@ -27,7 +27,7 @@ from p2pdiloco.config import RunConfig, config_hash
 from p2pdiloco.data import Corpus, heldout_batches, learner_batches
 from p2pdiloco.errors import ConfigError, NetworkSetupError
 from p2pdiloco.events import EventSink
-from p2pdiloco.faults import crash_hook, faulty_contribute
+from p2pdiloco.faults import SplitView, crash_hook, faulty_contribute
 from p2pdiloco.fragments import partition_fragments
 from p2pdiloco.learner import Learner
 from p2pdiloco.learner_link import LearnerLink, Outcome
@@ -96,6 +96,9 @@ class PeerOptions:
     """Rounds (from 0) whose contributions are corrupted."""
     crash_at: str = ""
     """Fault injection: `PHASE[:ROUND]`, die (SIGKILL) at that phase of a commit (see faults)."""
+    split_view_rounds: int = 0
+    """Fault injection: see only itself and ignore rival records for the first rounds
+    (forces two commits of one round; see faults.SplitView)."""
     checkpoint_every_s: float = 60.0
     """Seconds between periodic checkpoints while training (with `checkpoint_dir`)."""
 
@@ -225,15 +228,17 @@ class PeerDaemon:
             else []
         )
         trainer = InnerTrainer(model, config.train, device)
+        split = SplitView(options.split_view_rounds, lambda: self.transport.peer_id, state.round_of)
+        role_view = split.view(self.members) if options.split_view_rounds else self.members
         replicas = ReplicaSync(
             self.transport, options.run, state, self.members, self.limits, self.worker,
             void_after_s=config.sync.round_deadline_s, on_event=self.emit,
         )
         synchronizer = Synchronizer(
-            self.transport, options.run, config, state, self.members, self.limits, replicas,
-            self.worker, hook=self.hook, on_event=self.emit,
+            self.transport, options.run, config, state, role_view, self.limits, replicas,
+            self.worker, hook=self.hook, on_event=self.emit, rivals_visible=split.rivals_visible,
         )
-        link = LearnerLink(self.transport, options.run, config, replicas, self.members, self.limits)
+        link = LearnerLink(self.transport, options.run, config, replicas, role_view, self.limits)
         contribute = faulty_contribute(
             link.contribute, options.straggle_s, options.straggle_rounds, options.corrupt, options.corrupt_rounds
         )
@@ -278,6 +283,10 @@ class PeerDaemon:
                 item.future.result(max(deadline - time.monotonic(), 0.0))
             except Exception:  # noqa: BLE001 - abandoned cleanly: the round goes on without it
                 pass
+        try:  # one last read of the chain settles the deltas of the last rounds
+            self._on_loop(self._sync_all(), max(deadline - time.monotonic(), 5.0))
+        except Exception as exc:  # noqa: BLE001
+            log.warning("last sync failed error=%r", exc)
         learner.collect_outcomes()
 
     def _shutdown(self) -> None:

@@ -80,8 +80,10 @@ class ReplicaSync:
         self._locks = [asyncio.Lock() for _ in state.fragments]
         self.bytes_received = 0
         self.on_committed: list[Callable[[int, int, RoundRecord], None]] = []
-        """Called as `(fragment, round, record)` for each committed round this replica
-        reaches (applied or skipped by a download), so learners settle their deltas."""
+        """Called as `(fragment, round, record)` with the canonical record of each round
+        this replica passed, as read from the DHT (again if it changes), so learners
+        settle their deltas by what the swarm committed, not by what one peer said."""
+        self._notified: list[dict[int, str]] = [{} for _ in state.fragments]
 
     # --- serving ------------------------------------------------------------------------
 
@@ -207,7 +209,6 @@ class ReplicaSync:
             installed = await loop.run_in_executor(self.worker, install_update, self.state, prepared)
             if installed:
                 self.applied[fragment][record.round] = record.digest
-                self._notify(fragment, record.round, record)
             return installed
 
     def committed(self, fragment: int, round_id: int) -> RoundRecord | None:
@@ -246,7 +247,9 @@ class ReplicaSync:
                     return False
             while (current := self.state.round_of(fragment)) < head:
                 if not await self._apply_record(chain[current]):
+                    self._notify_settled(fragment, chain)
                     return False
+            self._notify_settled(fragment, chain)
             return True
 
     async def apply_committed(self, record: RoundRecord, hint: Update | None = None) -> bool:
@@ -295,9 +298,19 @@ class ReplicaSync:
             raise ValueError("update's parent is not this replica's state")
         return self.state.apply_update(update.fragment, update.round, update.decode())
 
-    def _notify(self, fragment: int, round_id: int, record: RoundRecord) -> None:
-        for listener in list(self.on_committed):
-            listener(fragment, round_id, record)
+    def _notify_settled(self, fragment: int, chain: dict[int, RoundRecord]) -> None:
+        """Tell learners which record the DHT's canonical chain holds for each round this
+        replica passed; again if a later read finds another record (a rival won)."""
+        current = self.state.round_of(fragment)
+        notified = self._notified[fragment]
+        for round_id in sorted(r for r in chain if current - 64 <= r < current):
+            record = chain[round_id]
+            if notified.get(round_id) != record.digest:
+                notified[round_id] = record.digest
+                for listener in list(self.on_committed):
+                    listener(fragment, round_id, record)
+        for old in [r for r in notified if r < current - 64]:
+            del notified[old]
 
     async def _fetch(self, record: RoundRecord) -> Update | None:
         """The update frame a record names, from our store or a holder; verified by digest."""
@@ -424,8 +437,6 @@ class ReplicaSync:
                     "hash": state.hash,
                 }
             )
-            for round_id in sorted(r for r in chain if r < state.round):
-                self._notify(fragment, round_id, chain[round_id])
             return True
         return False
 

@@ -23,7 +23,16 @@ import torch
 from p2pdiloco.compress import decode_tensor, make_codec
 from p2pdiloco.config import OuterConfig
 from p2pdiloco.model import build_model
-from p2pdiloco.outer import fixed_order_sum, merge, tensor_norm, token_weights
+from p2pdiloco.outer import (
+    SUM_BLOCK,
+    OuterState,
+    fixed_order_sum,
+    merge,
+    merge_weighted,
+    outer_step,
+    tensor_norm,
+    token_weights,
+)
 from p2pdiloco.state import FragmentState, GlobalState, hash_tensors
 
 ROUNDS = 5
@@ -159,8 +168,8 @@ def test_hashes_are_identical_across_cpu_kernel_sets() -> None:
 # --- fixed_order_sum ---------------------------------------------------------------------
 
 
-def _tree_sum(values: list[float]) -> float:
-    """The reference tree in pure Python: halves added elementwise, odd one out carried."""
+def _halving(values: list[float]) -> float:
+    """Halves added elementwise until one value is left, the middle one carried when odd."""
     while len(values) > 1:
         half = (len(values) + 1) // 2
         values = [
@@ -170,7 +179,15 @@ def _tree_sum(values: list[float]) -> float:
     return values[0] if values else 0.0
 
 
-@pytest.mark.parametrize("count", [0, 1, 2, 3, 7, 64, 1000, 4097])
+def _tree_sum(values: list[float]) -> float:
+    """The reference tree in pure Python: blocks of SUM_BLOCK halved, then their sums."""
+    blocks = [values[i : i + SUM_BLOCK] for i in range(0, len(values), SUM_BLOCK)]
+    return _halving([_halving(block) for block in blocks])
+
+
+@pytest.mark.parametrize(
+    "count", [0, 1, 2, 3, 7, 64, 4097, SUM_BLOCK, SUM_BLOCK + 1, 3 * SUM_BLOCK + 5]
+)
 def test_fixed_order_sum_is_the_pairwise_tree_and_close_to_fsum(count: int) -> None:
     values = _uniform(np.random.PCG64(count), count, 1.0).astype(np.float32)
     tensor = torch.from_numpy(values)
@@ -183,14 +200,14 @@ def test_fixed_order_sum_is_the_pairwise_tree_and_close_to_fsum(count: int) -> N
 
 
 def test_fixed_order_sum_does_not_depend_on_layout_threads_or_dtype() -> None:
-    # big enough for torch to split the elementwise adds over threads (grain 32768)
-    values = _uniform(np.random.PCG64(5), 3 * 33_335, 1.0).astype(np.float32)
+    # more than one scratch of blocks, and big enough for torch to use several threads
+    values = _uniform(np.random.PCG64(5), 3 * 33_335 * 11, 1.0).astype(np.float32)
     flat = torch.from_numpy(values)
     expected = fixed_order_sum(flat)
     assert expected == _tree_sum([float(v) for v in values])
     # the same values seen through another shape, a transposed copy, float64 and 1 thread
-    assert fixed_order_sum(flat.view(3, 33_335)) == expected
-    transposed = flat.view(3, 33_335).t().contiguous().t()  # non-contiguous, same order
+    assert fixed_order_sum(flat.view(33, 33_335)) == expected
+    transposed = flat.view(33, 33_335).t().contiguous().t()  # non-contiguous, same order
     assert not transposed.is_contiguous() and fixed_order_sum(transposed) == expected
     assert fixed_order_sum(flat.double()) == expected
     threads = torch.get_num_threads()
@@ -200,6 +217,45 @@ def test_fixed_order_sum_does_not_depend_on_layout_threads_or_dtype() -> None:
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(flat, torch.from_numpy(values))  # the input is left alone
+
+
+# --- elementwise arithmetic ------------------------------------------------------------
+
+
+def test_outer_step_and_weighted_merge_equal_numpy_op_by_op() -> None:
+    """fp32 numpy with one rounding per operation is the specification, bit for bit, also
+    across the chunks the update loops take (the tensor is larger than one chunk)."""
+    rng = np.random.PCG64(11)
+    shape = (1031, 1031)
+    lr, mu = 0.7, 0.9
+    f32 = np.float32
+    grads = [_uniform(rng, math.prod(shape), 1e-2).astype(f32).reshape(shape) for _ in range(5)]
+    start = _uniform(rng, math.prod(shape), 1.0).astype(f32).reshape(shape)
+    for every in (1, 2):
+        params = {"w": torch.from_numpy(start.copy())}
+        state = OuterState()
+        ref, buf, acc = start.copy(), None, None
+        for step, g in enumerate(grads, start=1):
+            outer_step(
+                params, {"w": torch.from_numpy(g)}, state, lr=lr, momentum=mu, delayed_every=every
+            )
+            if every == 1:
+                buf = g.copy() if buf is None else buf * f32(mu) + g
+                ref = ref - (g + buf * f32(mu)) * f32(lr)
+                continue
+            acc = g.copy() if acc is None else acc + g
+            ref = ref - g * f32(lr)
+            if step % every == 0:
+                mean = acc / f32(every)
+                buf, acc = (mean if buf is None else buf * f32(mu) + mean), None
+                ref = ref - buf * f32(lr * mu)
+        assert np.array_equal(params["w"].numpy(), ref), f"delayed_every={every}"
+    weights = token_weights([5, 7, 9], [1, 1, 1])
+    merged = merge_weighted([{"w": torch.from_numpy(g)} for g in grads[:3]], weights)
+    expected = np.zeros(shape, dtype=f32)
+    for g, w in zip(grads[:3], weights, strict=True):
+        expected = expected + g * f32(w)
+    assert np.array_equal(merged["w"].numpy(), expected)
 
 
 # --- import validation -------------------------------------------------------------------

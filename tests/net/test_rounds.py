@@ -86,7 +86,7 @@ def test_peers_on_different_cpu_kernels_stay_bit_identical() -> None:
         assert log.peer.stop() == 0
 
 
-def test_restarted_peer_with_its_checkpoint_rejoins_the_running_swarm(tmp_path) -> None:
+def test_restarted_peer_with_its_checkpoint_rejoins_without_its_bootstrap_node(tmp_path) -> None:
     boot = start_bootstrap()
     identity, checkpoints = tmp_path / "id.key", tmp_path / "ckpt"
     own = ["--identity", str(identity), "--checkpoint-dir", str(checkpoints), "--checkpoint-every-s", "1"]
@@ -98,7 +98,9 @@ def test_restarted_peer_with_its_checkpoint_rejoins_the_running_swarm(tmp_path) 
     victim.wait(lambda e: e.get("event") == "checkpoint_saved", ROUND_WAIT_S)
     victim.wait(applied(1), ROUND_WAIT_S)
     victim.peer.kill()
-    # the swarm goes on without it, then it comes back with the same id and checkpoint
+    # the swarm goes on without it and without its only bootstrap node; the peer comes
+    # back with the same id and checkpoint and finds the swarm through the peers it saw
+    boot.kill()
     wait_all(logs, applied(3), ROUND_WAIT_S)
     back = Events(
         start_peer_process(join_args(initial=boot.maddrs, sets=["sync.min_quorum=2"], flags=own), ready_timeout_s=240)
@@ -112,3 +114,37 @@ def test_restarted_peer_with_its_checkpoint_rejoins_the_running_swarm(tmp_path) 
     wait_all(logs, applied(joined["rounds"][0] + 1), ROUND_WAIT_S)
     assert_replicas_identical([*logs, back])
     assert back.peer.stop() == 0
+
+
+def test_two_synchronizers_commit_one_round_and_one_update_survives_everywhere() -> None:
+    boot = start_bootstrap()
+    # both peers see only themselves for round 0 and ignore rival records: each commits
+    # round 0 with its own delta; the canonical-chain rule must keep one everywhere
+    peers = start_learners(
+        2, boot.maddrs, flags=["--wait-peers", "2", "--split-view-rounds", "1"]
+    )
+    logs = [Events(p) for p in peers]
+    wait_all(logs, applied(3), ROUND_WAIT_S)
+    for log in logs:
+        log.drain(0.5)
+    closed_0 = [e for log in logs for e in log.of("round_closed") if e["round"] == 0]
+    assert len(closed_0) == 2, "the fault made both peers commit round 0"
+    final = [log.hashes() for log in logs]
+    for key in sorted(set(final[0]) & set(final[1])):
+        assert final[0][key] == final[1][key], f"replicas differ at {key}"
+    winner_hash = final[0][(0, 0)]
+    winner = next(e for e in closed_0 if e["hash"] == winner_hash)
+    loser = next(e for e in closed_0 if e["hash"] != winner_hash)
+    (loser_peer,) = loser["contributors"]
+    assert winner["contributors"] != loser["contributors"]
+    loser_log = next(log for log in logs if log.peer.peer_id == loser_peer)
+    assert loser_log.of("repair"), "the replica that applied the losing update repaired"
+    # no contribution lost or doubled: the loser's round-0 delta is sent again or reported
+    reported = [
+        e
+        for e in loser_log.of("resent") + loser_log.of("delta_dropped")
+        if e["fragment"] == 0 and e["round"] == 0
+    ]
+    assert reported, "the delta merged only in the losing update went back to its learner"
+    for log in logs:
+        assert log.peer.stop() == 0

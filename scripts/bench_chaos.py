@@ -1,0 +1,578 @@
+"""Benchmark: SIGKILL and restart learners of a live swarm, decoupled against synchronous.
+
+Both configurations run under the same fault schedule.
+
+N learners (`p2pdiloco join`, real processes, each with its own identity key and
+checkpoint directory) train the tiny model on loopback. After a fault-free warm-up of W
+seconds comes a chaos phase of W seconds: every T seconds one learner's whole process
+group is SIGKILLed (every other kill the peer holding a window, else a seeded random one)
+and restarted D seconds later with the same identity and checkpoint. The same schedule
+then runs against a synchronous baseline (`sync.min_quorum` = N, `sync.max_grace_s=0`:
+every round waits for every learner). Figures per configuration:
+
+    goodput, goodput_fault_free   tokens in merged contributions / tokens computed
+    rounds_per_min_chaos, rounds_per_min_fault_free, longest_stall_s (fragment 0)
+    split_rounds                  (fragment, round)s applied with more than one hash
+    divergences, rejoin_s (median restart -> first applied round), kills
+
+    python scripts/bench_chaos.py --quick --json out/chaos.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script from a checkout
+
+from p2pdiloco.launcher import Child, ChildFailedToStart, reap_all  # noqa: E402
+
+Event = dict[str, Any]
+
+ROUND_DEADLINE_S = 20.0
+TINY = [  # tests/net/swarm_util.py TINY_RUN, with a 20 s round deadline
+    "model.preset='tiny'",
+    "model.seq_len=32",
+    "data.max_files=60",
+    "train.batch_size=2",
+    "train.device='cpu'",
+    "train.warmup_steps=5",
+    "sync.inner_steps=10",
+    f"sync.round_deadline_s={ROUND_DEADLINE_S:g}",
+]
+READY_S = 240.0
+JOIN_S = 300.0
+STOP_S = 40.0
+SHIPPED = re.compile(r"shipped fragment=(\d+) round=(\d+) base=-?\d+ tokens=(\d+)")
+NOTABLE = re.compile(r"\b(ERROR|CRITICAL)\b|Traceback|^\S*(Error|Exception)\b")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Sizes of one benchmark setting (seconds)."""
+
+    name: str
+    learners: int
+    phase_s: float
+    kill_every_s: float
+    down_s: float
+    tail_s: float  # after the chaos phase: time left for the last restarts to apply a round
+
+
+QUICK = Setting("quick", learners=4, phase_s=25.0, kill_every_s=8.0, down_s=3.0, tail_s=20.0)
+FULL = Setting("full", learners=6, phase_s=120.0, kill_every_s=20.0, down_s=10.0, tail_s=60.0)
+
+
+def kill_offsets(setting: Setting) -> list[float]:
+    """Kill times within the chaos phase: T/2, 3T/2, ... while the restart still falls in it."""
+    offsets, k = [], 0
+    while (k + 0.5) * setting.kill_every_s + setting.down_s <= setting.phase_s:
+        offsets.append((k + 0.5) * setting.kill_every_s)
+        k += 1
+    return offsets
+
+
+def _env() -> dict[str, str]:
+    env = {"PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return env
+
+
+def _sleep_until(t: float) -> None:
+    """Wait for a point of the fault schedule (wall clock, as the peers' event stamps)."""
+    time.sleep(max(0.0, t - time.time()))
+
+
+# --- the swarm ----------------------------------------------------------------------------
+
+
+@dataclass
+class Incarnation:
+    """One process of one learner: the first start or a restart after a kill."""
+
+    learner: int
+    child: Child
+    spawned_t: float
+    killed_t: float | None = None
+    exit_code: int | None = None
+
+
+@dataclass
+class Swarm:
+    """A bootstrap node and N learners with fixed identities and checkpoint directories."""
+
+    setting: Setting
+    sets: list[str]
+    workdir: Path
+    boot: Child | None = None
+    maddrs: list[str] = field(default_factory=list)
+    incarnations: list[Incarnation] = field(default_factory=list)
+
+    def start(self) -> float:
+        """Start everything; the time every learner has joined and begins training."""
+        self.boot = Child.spawn(
+            [sys.executable, "-m", "p2pdiloco", "bootstrap", "--events"],
+            "bootstrap",
+            cwd=REPO,
+            env=_env(),
+        )
+        self.maddrs = self.boot.wait_ready(READY_S)["maddrs"]
+        for i in range(self.setting.learners):
+            self.spawn(i, first=True)
+        deadline = time.monotonic() + JOIN_S
+        joined = []
+        for inc in self.incarnations:
+            joined.append(inc.child.wait_event(_kind("joined"), deadline - time.monotonic()))
+        return max(e["t"] for e in joined)
+
+    def spawn(self, learner: int, first: bool = False) -> Incarnation:
+        """Start learner `learner` (again), with its identity and checkpoint directory."""
+        own = self.workdir / f"learner{learner}"
+        own.mkdir(parents=True, exist_ok=True)  # the identity file's directory must exist
+        args = [
+            sys.executable, "-m", "p2pdiloco", "join", "--events",
+            "--heartbeat-s", "1", "--threads", "1", "--eval-batches", "0",
+            "--identity", str(own / "id.key"),
+            "--checkpoint-dir", str(own / "ckpt"),
+            "--checkpoint-every-s", "2",
+            "--data-rank", str(learner),
+            "--initial-peers", *self.maddrs,
+        ]  # fmt: skip
+        if first:
+            args += ["--wait-peers", str(self.setting.learners)]
+        for item in self.sets:
+            args += ["--set", item]
+        n = sum(1 for inc in self.incarnations if inc.learner == learner)
+        child = Child.spawn(args, f"learner{learner}.{n}", cwd=REPO, env=_env())
+        inc = Incarnation(learner, child, time.time())
+        self.incarnations.append(inc)
+        return inc
+
+    def current(self, learner: int) -> Incarnation:
+        return [inc for inc in self.incarnations if inc.learner == learner][-1]
+
+    def kill(self, learner: int) -> Incarnation:
+        """SIGKILL the learner's whole process group (a machine dying)."""
+        inc = self.current(learner)
+        inc.killed_t = time.time()
+        inc.exit_code = inc.child.kill()
+        return inc
+
+    def holder(self) -> int | None:
+        """The learner holding a window: the latest `window_open` whose round has not closed,
+        else the synchronizer of the latest `round_closed` (None if neither is alive)."""
+        closed: set[tuple[int, int]] = set()
+        for inc in self.incarnations:
+            for e in [*inc.child.of("round_closed"), *inc.child.of("applied")]:
+                closed.add((e["fragment"], e["round"]))
+        alive = {i: self.current(i) for i in range(self.setting.learners)}
+        alive = {i: inc for i, inc in alive.items() if inc.killed_t is None and inc.child.alive()}
+        opens = [
+            (e["t"], i) for i, inc in alive.items() for e in inc.child.of("window_open")
+            if (e["fragment"], e["round"]) not in closed
+        ]  # fmt: skip
+        if opens:
+            return max(opens)[1]
+        last = [(e["t"], i) for i, inc in alive.items() for e in inc.child.of("round_closed")]
+        return max(last)[1] if last else None
+
+    def stop(self) -> None:
+        """SIGTERM every live learner at once, SIGKILL those still running after STOP_S."""
+        live = [inc for inc in self.incarnations if inc.exit_code is None]
+        for inc in live:
+            inc.child.request_stop()
+        deadline = time.monotonic() + STOP_S
+        for inc in live:
+            code = inc.child.wait_exit(deadline - time.monotonic())
+            inc.exit_code = code if code is not None else inc.child.kill()
+        if self.boot is not None:
+            self.boot.stop(10)
+
+    def record(self) -> list[dict[str, Any]]:
+        """Every incarnation's events, shipped-token log lines and notable stderr lines
+        (read before the children are reaped, which deletes their stderr files)."""
+        out = []
+        for inc in self.incarnations:
+            shipped, errors, warnings = _read_stderr(inc.child)
+            out.append(
+                {
+                    "learner": inc.learner,
+                    "name": inc.child.name,
+                    "spawned_t": inc.spawned_t,
+                    "killed_t": inc.killed_t,
+                    "exit_code": inc.exit_code,
+                    "events": list(inc.child.events),
+                    "shipped": shipped,
+                    "stderr_errors": errors,
+                    "stderr_warnings": warnings,
+                }
+            )
+        return out
+
+
+def _kind(kind: str):
+    return lambda e: e.get("event") == kind
+
+
+def _read_stderr(child: Child) -> tuple[list[list[int]], list[str], dict[str, int]]:
+    """[fragment, round, tokens] of each shipped delta (the learner logs the exact tokens it
+    claims); error lines and tracebacks verbatim; warnings counted by message shape."""
+    shipped: list[list[int]] = []
+    errors: list[str] = []
+    warnings: Counter[str] = Counter()
+    if child.stderr_path is None:
+        return shipped, errors, {}
+    try:
+        text = Path(child.stderr_path).read_text(errors="replace")
+    except OSError:
+        return shipped, errors, {}
+    for line in text.splitlines():
+        if m := SHIPPED.search(line):
+            shipped.append([int(m[1]), int(m[2]), int(m[3])])
+        elif NOTABLE.search(line) or line.startswith(("  File ", "    ")) and errors:
+            if len(errors) < 60:
+                errors.append(line)
+        elif " WARNING " in line:
+            message = line.split(" WARNING ", 1)[1]
+            warnings[re.sub(r"\d+(\.\d+)?", "N", re.sub(r"peer=\S+", "peer=P", message))] += 1
+    return shipped, errors, dict(warnings)
+
+
+def run_config(setting: Setting, sets: list[str], seed: int, label: str) -> dict[str, Any]:
+    """One configuration: warm-up, chaos phase, tail; the raw record for `analyze`."""
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory(prefix=f"bench-chaos-{label}-") as tmp:
+        swarm = Swarm(setting, sets, Path(tmp))
+        kills: list[dict[str, Any]] = []
+        try:
+            print(f"bench_chaos {label}: starting {setting.learners} learners", file=sys.stderr)
+            t0 = swarm.start()
+            chaos_t = t0 + setting.phase_s
+            print(f"bench_chaos {label}: all joined, warm-up {setting.phase_s:g}s", file=sys.stderr)
+            for k, offset in enumerate(kill_offsets(setting)):
+                _sleep_until(chaos_t + offset)
+                pick = rng.randrange(setting.learners)  # drawn every kill: same victims in both
+                victim, why = (swarm.holder(), "holder") if k % 2 == 0 else (None, "random")
+                if victim is None:
+                    victim, why = pick, "random" if why == "random" else "random (no holder)"
+                killed = swarm.kill(victim)
+                _sleep_until(killed.killed_t + setting.down_s)
+                back = swarm.spawn(victim)
+                kills.append(
+                    {
+                        "learner": victim,
+                        "why": why,
+                        "t": killed.killed_t,
+                        "restart_t": back.spawned_t,
+                    }
+                )
+                print(f"bench_chaos {label}: killed learner{victim} ({why})", file=sys.stderr)
+            _sleep_until(chaos_t + setting.phase_s)
+            _wait_rejoined(swarm, time.monotonic() + setting.tail_s)
+            swarm.stop()
+            return {
+                "label": label,
+                "setting": setting.name,
+                "learners": setting.learners,
+                "sets": sets,
+                "t0": t0,
+                "phase_s": setting.phase_s,
+                "kills": kills,
+                "incarnations": swarm.record(),
+            }
+        finally:
+            for inc in swarm.incarnations:
+                if inc.child.alive():
+                    inc.child.kill()
+            reap_all()
+
+
+def _wait_rejoined(swarm: Swarm, deadline: float) -> None:
+    """Until every restarted process applied a round, or `deadline` (monotonic)."""
+    restarted = [inc for inc in swarm.incarnations if inc.child.name.split(".")[1] != "0"]
+    while time.monotonic() < deadline:
+        if all(inc.child.of("applied") or not inc.child.alive() for inc in restarted):
+            return
+        time.sleep(0.2)  # polling the children's event lists, which their reader threads fill
+
+
+# --- figures ------------------------------------------------------------------------------
+
+
+def _steps_curve(inc: dict[str, Any]) -> list[tuple[float, float]]:
+    """(time, inner steps done) of one process: the start of training (`joined`, at the
+    step a checkpoint restored), every 10th step, the summary, and for a killed process the
+    steps since its last report, at its own pace (at most 9: reports come every 10 steps)."""
+    events = inc["events"]
+    joined = next((e for e in events if e.get("event") == "joined"), None)
+    if joined is None:
+        return []
+    loaded = next((e for e in events if e.get("event") == "checkpoint_loaded"), None)
+    points = [(joined["t"], float(loaded["step"] if loaded else 0))]
+    for e in events:
+        if e.get("event") == "step" and e["t"] >= joined["t"]:
+            points.append((e["t"], float(e["step"])))
+        elif e.get("event") == "summary":
+            points.append((e["t"], float(e["steps"])))
+    points.sort()
+    killed = inc["killed_t"]
+    if killed is not None and len(points) >= 2 and killed > points[-1][0]:
+        (ta, sa), (tb, sb) = points[0], points[-1]
+        rate = (sb - sa) / max(tb - ta, 1e-9)
+        points.append((killed, sb + min(rate * (killed - tb), 9.0)))
+    return points
+
+
+def _at(points: list[tuple[float, float]], t: float) -> float:
+    """Steps done by time t, linear between reports (none before the first)."""
+    if not points or t <= points[0][0]:
+        return points[0][1] if points else 0.0
+    for (ta, sa), (tb, sb) in zip(points, points[1:], strict=False):
+        if t <= tb:
+            return sa + (sb - sa) * (t - ta) / max(tb - ta, 1e-9)
+    return points[-1][1]
+
+
+def _tokens_per_step(incs: list[dict[str, Any]], sets: list[str]) -> float:
+    """From the summaries of processes that left cleanly; else batch x seq_len."""
+    for inc in incs:
+        for e in inc["events"]:
+            if e.get("event") == "summary" and e.get("steps"):
+                return e["tokens"] / e["steps"]
+    values = dict(item.split("=", 1) for item in sets)
+    return float(int(values["train.batch_size"]) * int(values["model.seq_len"]))
+
+
+def analyze(run: dict[str, Any]) -> dict[str, Any]:
+    """The figures of one configuration from its raw record."""
+    incs, t0, w = run["incarnations"], run["t0"], run["phase_s"]
+    warm, chaos = (t0, t0 + w), (t0 + w, t0 + 2 * w)
+    events = [(inc, e) for inc in incs for e in inc["events"]]
+    peer_of = {
+        id(inc): next((e["peer_id"] for e in inc["events"] if "ready" in e), None) for inc in incs
+    }
+
+    # when each (fragment, round) closed: its first round_closed or applied anywhere
+    close_t: dict[tuple[int, int], float] = {}
+    closed_by: dict[tuple[int, int], Event] = {}
+    hashes: dict[tuple[int, int], set[str]] = {}
+    for _, e in events:
+        if e.get("event") in ("round_closed", "applied"):
+            key = (e["fragment"], e["round"])
+            close_t[key] = min(close_t.get(key, e["t"]), e["t"])
+        if e.get("event") == "round_closed":
+            key = (e["fragment"], e["round"])
+            if key not in closed_by or e["t"] < closed_by[key]["t"]:
+                closed_by[key] = e
+        if e.get("event") == "applied":
+            hashes.setdefault((e["fragment"], e["round"]), set()).add(e["hash"])
+    num_fragments = max((f for f, _ in close_t), default=0) + 1
+
+    # tokens of each contribution: the exact claim the learner logged when shipping it;
+    # of several processes of one peer, the one told "merged", else the first (a window
+    # refuses a peer's second delta)
+    shipped: dict[tuple[str, int, int], int] = {}
+    for inc in incs:
+        merged = {
+            (e["fragment"], e["round"]) for e in inc["events"]
+            if e.get("event") == "contributed" and e.get("status") == "merged"
+        }  # fmt: skip
+        for f, r, tokens in inc["shipped"]:
+            key = (peer_of[id(inc)], f, r)
+            if key not in shipped or (f, r) in merged:
+                shipped[key] = tokens
+    by_peer: dict[str, list[int]] = {}
+    for (peer, _, _), tokens in shipped.items():
+        by_peer.setdefault(peer, []).append(tokens)
+
+    tps = _tokens_per_step(incs, run["sets"])
+    curves = [_steps_curve(inc) for inc in incs]
+
+    def phase(a: float, b: float) -> dict[str, Any]:
+        keys = [k for k, t in close_t.items() if a <= t < b]
+        merged_tokens, estimated = 0, 0
+        for key in keys:
+            if key not in closed_by:
+                continue
+            for peer in closed_by[key]["contributors"]:
+                tokens = shipped.get((peer, *key))
+                if tokens is None:  # its log line is missing: the peer's median claim
+                    estimated += 1
+                    tokens = int(statistics.median(by_peer.get(peer, [0])))
+                merged_tokens += tokens
+        computed = tps * sum(_at(c, b) - _at(c, a) for c in curves) * num_fragments
+        f0 = sorted(t for (f, _), t in close_t.items() if f == 0 and a <= t < b)
+        gaps = [y - x for x, y in zip([a, *f0], [*f0, b], strict=True)]
+        return {
+            "goodput": merged_tokens / computed if computed else None,
+            "merged_tokens": merged_tokens,
+            "computed_tokens": round(computed),
+            "rounds": len(f0),
+            "rounds_per_min": len(f0) / ((b - a) / 60.0),
+            "longest_stall_s": max(gaps),
+            "rounds_without_close_event": sum(1 for k in keys if k not in closed_by),
+            "contributions_estimated": estimated,
+        }
+
+    fault_free, chaotic = phase(*warm), phase(*chaos)
+    rejoin = []
+    for kill in run["kills"]:
+        back = next(
+            (
+                inc
+                for inc in incs
+                if inc["learner"] == kill["learner"] and inc["spawned_t"] == kill["restart_t"]
+            ),
+            None,
+        )
+        first = (
+            next((e["t"] for e in back["events"] if e.get("event") == "applied"), None)
+            if back
+            else None
+        )
+        if first is not None:
+            rejoin.append(first - kill["restart_t"])
+    statuses = Counter(
+        e["status"] for _, e in events
+        if e.get("event") == "contributed" and chaos[0] <= e["t"] < chaos[1]
+    )  # fmt: skip
+    unexpected = [
+        f"{inc['name']} exit {inc['exit_code']}" for inc in incs
+        if inc["killed_t"] is None and inc["exit_code"] not in (0, None)
+    ]  # fmt: skip
+    return {
+        "kills": len(run["kills"]),
+        "kills_of_holders": sum(1 for k in run["kills"] if k["why"] == "holder"),
+        "goodput": chaotic["goodput"],
+        "goodput_fault_free": fault_free["goodput"],
+        "rounds_per_min_chaos": chaotic["rounds_per_min"],
+        "rounds_per_min_fault_free": fault_free["rounds_per_min"],
+        "longest_stall_s": chaotic["longest_stall_s"],
+        "longest_stall_s_fault_free": fault_free["longest_stall_s"],
+        "split_rounds": sum(1 for v in hashes.values() if len(v) > 1),
+        "divergences": sum(1 for _, e in events if e.get("event") == "diverged"),
+        "repairs": sum(1 for _, e in events if e.get("event") == "repair"),
+        "rejoin_s": statistics.median(rejoin) if rejoin else None,
+        "rejoins": [round(x, 1) for x in rejoin],
+        "rejoins_missing": len(run["kills"]) - len(rejoin),
+        "tokens_per_step": tps,
+        "phases": {"fault_free": fault_free, "chaos": chaotic},
+        "contributions_chaos": dict(statuses),
+        "unexpected_exits": unexpected,
+        "stderr_errors": sorted({line for inc in incs for line in inc["stderr_errors"]})[:40],
+        "stderr_warnings": dict(
+            sum((Counter(inc["stderr_warnings"]) for inc in incs), Counter()).most_common(15)
+        ),
+    }
+
+
+def report(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The output JSON: both configurations, the targets, which the decoupled run met."""
+    figures = {label: analyze(run) for label, run in runs.items()}
+    targets = {
+        "split_rounds": 0,
+        "divergences": 0,
+        "longest_stall_s_max": 2 * ROUND_DEADLINE_S,
+        "goodput_min_ratio_to_fault_free": 0.85,
+    }
+
+    def met(f: dict[str, Any]) -> dict[str, bool]:
+        return {
+            "split_rounds": f["split_rounds"] == 0,
+            "divergences": f["divergences"] == 0,
+            "longest_stall_s": f["longest_stall_s"] <= targets["longest_stall_s_max"],
+            "goodput": f["goodput"] is not None
+            and f["goodput_fault_free"] is not None
+            and f["goodput"] >= 0.85 * f["goodput_fault_free"],
+        }
+
+    first = next(iter(runs.values()))
+    out: dict[str, Any] = {
+        "setting": first["setting"],
+        "learners": first["learners"],
+        **{k: v for k, v in figures["decoupled"].items() if not isinstance(v, dict | list)},
+        "decoupled": figures["decoupled"],
+        "synchronous": figures["synchronous"],
+        "targets": targets,
+        "met": met(figures["decoupled"]),
+        "met_synchronous": met(figures["synchronous"]),
+    }
+    return out
+
+
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def summary_line(out: dict[str, Any]) -> str:
+    d, s = out["decoupled"], out["synchronous"]
+
+    def part(name: str, f: dict[str, Any]) -> str:
+        return (
+            f"{name} goodput={_fmt(f['goodput'])}/{_fmt(f['goodput_fault_free'])} "
+            f"rounds/min={_fmt(f['rounds_per_min_chaos'], '.1f')}/"
+            f"{_fmt(f['rounds_per_min_fault_free'], '.1f')} "
+            f"stall={_fmt(f['longest_stall_s'], '.1f')}s split={f['split_rounds']} "
+            f"diverged={f['divergences']} rejoin={_fmt(f['rejoin_s'], '.1f')}s"
+        )
+
+    met = sum(out["met"].values())
+    return (
+        f"bench_chaos {out['setting']}: learners={out['learners']} kills={d['kills']} "
+        f"{part('decoupled', d)} | {part('synchronous', s)} | targets met {met}/{len(out['met'])}"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random victims")
+    parser.add_argument("--dump", type=Path, help="also write the raw events here")
+    parser.add_argument("--analyze", type=Path, help="recompute the figures from a --dump file")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    args = parser.parse_args()
+
+    started = time.time()
+    if args.analyze:
+        runs = json.loads(args.analyze.read_text())
+    else:
+        setting = QUICK if args.quick else FULL
+        n = setting.learners
+        base = [*TINY, "sync.min_quorum=" + str(max(2, n // 2)), *args.overrides]
+        sync = [*TINY, f"sync.min_quorum={n}", "sync.max_grace_s=0", *args.overrides]
+        runs = {}
+        try:
+            for label, sets in (("decoupled", base), ("synchronous", sync)):
+                runs[label] = run_config(setting, sets, args.seed, label)
+        except (ChildFailedToStart, TimeoutError, EOFError) as exc:
+            print(f"bench_chaos: a process failed: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            reap_all()
+        if args.dump:
+            args.dump.parent.mkdir(parents=True, exist_ok=True)
+            args.dump.write_text(json.dumps(runs) + "\n")
+    out = report(runs)
+    out["wall_s"] = round(time.time() - started, 1)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    print(summary_line(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,504 @@
+"""Committing a round: crash points, failover, rival records, holding and serving updates.
+
+Peers are wired as `peer.Peer._build` wires them (GlobalState, ReplicaSync, Synchronizer,
+LearnerLink, one worker thread each) on the in-memory transport. A crash is a SIGKILL as
+the swarm sees it: the peer leaves the network, calls in flight to it fail at once, it
+can no longer call or store, and its commit stops at the phase where its hook is
+(the hook never returns). Every wait is on an event or a poll with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from p2pdiloco import compress, messages, wire
+from p2pdiloco.config import RunConfig, replace
+from p2pdiloco.election import synchronizer_order
+from p2pdiloco.learner_link import LearnerLink, Outcome
+from p2pdiloco.membership import Heartbeat
+from p2pdiloco.replica_sync import ReplicaSync
+from p2pdiloco.rounds import RoundRecord, canonical_chain, records_of, rounds_key
+from p2pdiloco.state import GlobalState
+from p2pdiloco.synchronizer import Synchronizer
+from p2pdiloco.transport.base import PeerUnreachable, TransportClosed
+from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
+from p2pdiloco.updates import build_update_frame, update_digest
+
+RUN = "commit"
+CONFIG = replace(
+    RunConfig(),
+    sync={"min_quorum": 2, "max_grace_s": 0.2, "round_deadline_s": 5.0, "commit_holders": 1},
+    compress={"codec": "fp32", "outer_codec": "fp32"},
+)
+LIMITS = wire.WireLimits()
+SCENARIO_TIMEOUT_S = 9.0
+PHASES = ("after_quorum", "during_merge", "after_hold", "after_record", "after_first_reply")
+NOT_MERGED = (messages.LATE, messages.NO_QUORUM, "unreachable")
+"""Outcomes that tell a learner its delta is in no committed record of the round."""
+
+
+# --- a network where a killed peer is gone at once --------------------------------------
+
+
+class CrashNetwork(MemoryNetwork):
+    """`kill` also drops every call in flight to the peer (its streams die with it) and
+    stops the peer from calling or storing; `refuse_records` makes the DHT refuse round
+    records (as a real DHT may, on a network fault)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.killed: set[str] = set()
+        self.in_flight: dict[str, dict[asyncio.Task, str]] = {}
+        self.refuse_records = False
+
+    def kill(self, peer_id: str) -> None:
+        super().kill(peer_id)
+        self.killed.add(peer_id)
+        for task in list(self.in_flight.get(peer_id, {})):
+            task.cancel()
+
+    def calls_to(self, peer_id: str, name: str) -> int:
+        return sum(1 for n in self.in_flight.get(peer_id, {}).values() if n == name)
+
+    def _store(self, key: str, subkey: str, value: bytes, expiration_time: float) -> bool:
+        if self.refuse_records and "/rounds/" in key:
+            return False
+        return super()._store(key, subkey, value, expiration_time)
+
+
+class CrashTransport(MemoryTransport):
+    network: CrashNetwork
+
+    def __init__(self, network: CrashNetwork, peer_id: str) -> None:
+        super().__init__(network, peer_id)
+        self.before_rounds_read: Callable[[], Awaitable[None]] | None = None
+        """Awaited once, after the next read of round records and before it returns."""
+
+    def _check_open(self) -> None:
+        if self.peer_id in self.network.killed:
+            raise TransportClosed(f"{self.peer_id} was killed")
+        super()._check_open()
+
+    async def _call(self, peer_id: str, name: str, request: bytes, max_response: int) -> bytes:
+        inner = asyncio.ensure_future(super()._call(peer_id, name, request, max_response))
+        calls = self.network.in_flight.setdefault(peer_id, {})
+        calls[inner] = name
+        try:
+            await asyncio.wait({inner})
+        except asyncio.CancelledError:  # our own deadline
+            inner.cancel()
+            raise
+        finally:
+            calls.pop(inner, None)
+        if inner.cancelled():
+            raise PeerUnreachable(f"peer {peer_id} died during the call")
+        return inner.result()
+
+    async def get(self, key: str, latest: bool = True) -> dict[str, tuple[bytes, float]]:
+        records = await super().get(key, latest)
+        gate, self.before_rounds_read = self.before_rounds_read, None
+        if gate is not None and key == rounds_key(RUN, 0):
+            await gate()
+        return records
+
+
+# --- peers ------------------------------------------------------------------------------
+
+
+def fresh_state() -> GlobalState:
+    params = {"w": torch.zeros(4, 4), "b": torch.zeros(4)}
+    return GlobalState(params, [["w", "b"]], CONFIG.outer)
+
+
+class Node:
+    """One peer: replica, replica sync, synchronizer and learner link on one transport."""
+
+    def __init__(self, cluster: Cluster, peer_id: str) -> None:
+        self.cluster = cluster
+        self.peer_id = peer_id
+        self.transport = CrashTransport(cluster.network, peer_id)
+        self.view: set[str] = set()
+        self.state = fresh_state()
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix=f"worker-{peer_id}")
+        self.events: list[dict] = []
+        self.phases: list[tuple[str, int]] = []
+        self.on_phase: dict[str, Callable[[], Awaitable[None]]] = {}
+        self.notified: list[tuple[int, int, RoundRecord]] = []
+        self.replicas = ReplicaSync(
+            self.transport, RUN, self.state, self.members, LIMITS, self.worker,
+            void_after_s=CONFIG.sync.round_deadline_s, on_event=self.events.append,
+        )
+        self.replicas.on_committed.append(lambda f, r, record: self.notified.append((f, r, record)))
+        self.sync = Synchronizer(
+            self.transport, RUN, CONFIG, self.state, self.members, LIMITS, self.replicas,
+            self.worker, hook=self.hook, on_event=self.events.append,
+        )
+        self.link = LearnerLink(self.transport, RUN, CONFIG, self.replicas, self.members, LIMITS)
+
+    def members(self) -> dict[str, Heartbeat]:
+        """Heartbeats of the peers this one sees, with their current rounds."""
+        return {
+            p: Heartbeat(
+                peer_id=p, status="training", rounds=tuple(self.cluster.nodes[p].state.rounds)
+            )
+            for p in sorted(self.view)
+        }
+
+    async def hook(self, phase: str, round_id: int, fragment: int) -> None:
+        self.phases.append((phase, round_id))
+        action = self.on_phase.get(phase)
+        if action is not None:
+            await action()
+
+    async def die(self) -> None:
+        """SIGKILL: off the network at once; this commit never goes on."""
+        self.cluster.network.kill(self.peer_id)
+        await asyncio.Event().wait()
+
+    def frame(self, scale: float, round_id: int = 0) -> bytes:
+        delta = {"w": torch.full((4, 4), scale), "b": torch.full((4,), -scale)}
+        message = wire.Message(
+            kind=wire.CONTRIBUTION,
+            run=RUN,
+            round=round_id,
+            fragment=0,
+            meta={"peer": self.peer_id, "base_round": round_id, "tokens": 64, "steps": 2},
+            tensors=compress.encode_tensors(compress.make_codec("fp32"), delta),
+        )
+        return wire.encode_message(message)
+
+    def contribute(self, scale: float) -> Awaitable[Outcome]:
+        return self.link.contribute(0, 0, self.frame(scale))
+
+    def hash(self) -> str:
+        return self.state.fragment_hash(0)
+
+
+class Cluster:
+    def __init__(self, count: int) -> None:
+        self.network = CrashNetwork()
+        ids = [self.network.new_peer_id() for _ in range(count)]
+        self.order = synchronizer_order(RUN, 0, 0, ids)
+        """Peer ids best-placed first for (round 0, fragment 0)."""
+        self.nodes = {p: Node(self, p) for p in self.order}
+
+    def __getitem__(self, index: int) -> Node:
+        return self.nodes[self.order[index]]
+
+    async def start(self) -> None:
+        for node in self.nodes.values():
+            await node.transport.start()
+            await node.replicas.start()
+            await node.sync.start()
+            node.view = set(self.nodes)
+
+    def dht_records(self) -> dict[tuple[int, str], RoundRecord]:
+        """The well-formed round records of fragment 0 in the shared DHT."""
+        return records_of(self.network._get(rounds_key(RUN, 0)), 0)
+
+    def close(self) -> None:
+        for node in self.nodes.values():
+            node.worker.shutdown(wait=True, cancel_futures=True)
+
+
+def scenario(count: int, body: Callable[[Cluster], Awaitable[None]]) -> None:
+    """Run `body` on a started cluster of `count` peers, bounded in time."""
+
+    async def main() -> None:
+        cluster = Cluster(count)
+        try:
+            await cluster.start()
+            await asyncio.wait_for(body(cluster), SCENARIO_TIMEOUT_S)
+        finally:
+            for node in cluster.nodes.values():
+                for task in list(node.sync._tasks):
+                    task.cancel()
+            await asyncio.sleep(0)
+            cluster.close()
+
+    asyncio.run(main())
+
+
+async def poll(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Wait until `condition()` holds, yielding to the loop; fail after `timeout_s`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, "condition not reached before the deadline"
+        await asyncio.sleep(0.001)
+
+
+# --- a synchronizer dies at each phase of its commit ------------------------------------
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_a_synchronizer_killed_at_any_commit_phase_leaves_one_round_and_loses_no_delta(phase: str) -> None:
+    async def body(cluster: Cluster) -> None:
+        doomed, second, third = cluster[0], cluster[1], cluster[2]
+
+        async def crash() -> None:
+            if phase == "after_first_reply":
+                # the transport delivers the first answer before the process dies
+                await poll(lambda: cluster.network.calls_to(doomed.peer_id, f"{RUN}.contribute") < 2)
+            await doomed.die()
+
+        doomed.on_phase[phase] = crash
+        # the dead peer's heartbeat has not expired: it stays in every view
+        outcomes = dict(
+            zip(
+                (second.peer_id, third.peer_id),
+                await asyncio.gather(second.contribute(1.0), third.contribute(3.0)),
+                strict=True,
+            )
+        )
+        assert (phase, 0) in doomed.phases
+        assert doomed.peer_id in cluster.network.killed
+
+        # exactly one record of round 0 in the DHT, and it is the canonical one
+        records = [r for (round_id, _), r in cluster.dht_records().items() if round_id == 0]
+        assert len(records) == 1, records
+        (committed,) = records
+        genesis = second.replicas.genesis[0]
+        assert canonical_chain(RUN, records, genesis) == {0: committed}
+        committed_before_crash = phase in ("after_record", "after_first_reply")
+        assert committed.synchronizer == (doomed if committed_before_crash else second).peer_id
+        assert committed.parent == genesis
+
+        # every survivor holds that round's result, bit for bit
+        for node in (second, third):
+            assert node.state.round_of(0) == 1
+            assert node.hash() == committed.hash
+            assert node.replicas.committed(0, 0) == committed
+
+        # each learner's delta is merged in the committed round, or it was told otherwise
+        for peer, outcome in outcomes.items():
+            assert outcome.round == 0
+            if committed.weight_of(peer) is not None:
+                assert outcome.status == messages.MERGED, outcome
+                assert outcome.weight == committed.weight_of(peer)
+            else:
+                assert outcome.status in NOT_MERGED, outcome
+        # with the same two learners alive on both sides of the failover, nothing is lost
+        assert {c[0] for c in committed.contributors} == set(outcomes)
+        assert all(o.status == messages.MERGED for o in outcomes.values())
+        # and each survivor's learner was told of that record, once per round reached
+        for node in (second, third):
+            assert [(r, rec) for _, r, rec in node.notified] == [(0, committed)]
+
+    scenario(3, body)
+
+
+def test_a_delta_arriving_during_the_merge_is_told_it_is_late() -> None:
+    async def body(cluster: Cluster) -> None:
+        synchronizer, a, b = cluster[0], cluster[1], cluster[2]
+        merging, release = asyncio.Event(), asyncio.Event()
+
+        async def hold_the_merge() -> None:
+            merging.set()
+            await release.wait()
+
+        synchronizer.on_phase["during_merge"] = hold_the_merge
+        contributions = asyncio.gather(a.contribute(1.0), b.contribute(3.0))
+        await merging.wait()
+        raw = await synchronizer.transport.call(
+            synchronizer.peer_id, f"{RUN}.{messages.RPC_CONTRIBUTE}", synchronizer.frame(2.0), 5.0
+        )
+        reply = wire.decode_message(raw, LIMITS)
+        assert reply.meta["status"] == messages.LATE
+        assert reply.meta["reason"] == "window is closing"
+        release.set()
+        outcomes = await contributions
+        assert [o.status for o in outcomes] == [messages.MERGED, messages.MERGED]
+        (record,) = cluster.dht_records().values()
+        assert record.weight_of(synchronizer.peer_id) is None
+        assert {c[0] for c in record.contributors} == {a.peer_id, b.peer_id}
+
+    scenario(3, body)
+
+
+# --- split views: two records for one round ---------------------------------------------
+
+
+async def split_round(cluster: Cluster) -> tuple[RoundRecord, RoundRecord, dict[str, Outcome]]:
+    """Two synchronizers, each seeing only itself and its learner, both commit round 0.
+
+    Both check for a rival record before either stores its own (the DHT has not shown
+    the other's yet), so two records of round 0 exist. Returns (winner, loser, outcomes).
+    """
+    x, y, lx, ly = cluster[0], cluster[1], cluster[2], cluster[3]
+    for node, view in ((x, {x, lx}), (lx, {x, lx}), (y, {y, ly}), (ly, {y, ly})):
+        node.view = {n.peer_id for n in view}
+    both_checked = asyncio.Event()
+    checked: set[str] = set()
+
+    def rival_check_meets_the_other(node: Node) -> Callable[[], Awaitable[None]]:
+        async def gate() -> None:
+            checked.add(node.peer_id)
+            if len(checked) == 2:
+                both_checked.set()
+            await both_checked.wait()
+
+        async def arm() -> None:
+            node.transport.before_rounds_read = gate
+
+        return arm
+
+    for node in (x, y):
+        node.on_phase["after_hold"] = rival_check_meets_the_other(node)
+    results = await asyncio.gather(
+        x.contribute(1.0), lx.contribute(2.0), y.contribute(-1.0), ly.contribute(5.0)
+    )
+    outcomes = dict(zip((x.peer_id, lx.peer_id, y.peer_id, ly.peer_id), results, strict=True))
+    records = cluster.dht_records()
+    assert set(records) == {(0, x.peer_id), (0, y.peer_id)}
+    return records[(0, x.peer_id)], records[(0, y.peer_id)], outcomes
+
+
+def test_split_views_two_records_every_peer_ends_on_the_canonical_winner() -> None:
+    async def body(cluster: Cluster) -> None:
+        x, y, lx, ly = cluster[0], cluster[1], cluster[2], cluster[3]
+        winner, loser, outcomes = await split_round(cluster)
+        genesis = x.replicas.genesis[0]
+        assert winner.parent == loser.parent == genesis
+        assert winner.hash != loser.hash
+        assert canonical_chain(RUN, [loser, winner], genesis) == {0: winner}
+        # each side applied its own synchronizer's update
+        assert x.hash() == lx.hash() == winner.hash
+        assert y.hash() == ly.hash() == loser.hash
+        assert outcomes[lx.peer_id].status == messages.MERGED
+        # the views heal; the next heartbeat syncs every fragment
+        for node in cluster.nodes.values():
+            node.view = set(cluster.nodes)
+        for node in cluster.nodes.values():
+            assert await node.replicas.sync_fragment(0)
+        for node in cluster.nodes.values():
+            assert node.state.round_of(0) == 1
+            assert node.hash() == winner.hash
+            assert node.replicas.committed(0, 0) == winner
+        repaired = [e for e in y.events + ly.events if e["event"] == "repair"]
+        assert len(repaired) == 2
+        # the loser's contributors find their deltas missing from the winning record
+        for peer in (y.peer_id, ly.peer_id):
+            assert winner.weight_of(peer) is None
+            assert loser.weight_of(peer) is not None
+        for node in (y, ly):
+            last = [rec for _, r, rec in node.notified if r == 0][-1]
+            assert last == winner and last.weight_of(node.peer_id) is None
+        for node in (x, lx):
+            assert winner.weight_of(node.peer_id) == outcomes[node.peer_id].weight
+
+    scenario(4, body)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="ReplicaSync.apply_committed applies and reports (on_committed) the record a "
+    "synchronizer's reply names without checking the DHT's canonical chain; "
+    "Learner.settle books the delta at that first notice, so a delta merged only by "
+    "the losing rival is never resent",
+)
+def test_a_replica_never_reports_a_losing_record_as_committed() -> None:
+    async def body(cluster: Cluster) -> None:
+        winner, loser, _ = await split_round(cluster)
+        ly = cluster[3]
+        # both records were in the DHT before any learner was answered
+        assert [rec for _, r, rec in ly.notified if r == 0] == [winner]
+
+    scenario(4, body)
+
+
+# --- the commit point is the stored record ----------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Synchronizer._commit ignores the result of transport.store(round record): "
+    "when the DHT refuses it, the round is installed and answered MERGED with no record",
+)
+def test_a_delta_is_reported_merged_only_when_its_record_is_in_the_dht() -> None:
+    async def body(cluster: Cluster) -> None:
+        cluster.network.refuse_records = True
+        outcomes = await asyncio.gather(cluster[1].contribute(1.0), cluster[2].contribute(3.0))
+        assert not cluster.dht_records()
+        assert all(o.status != messages.MERGED for o in outcomes), outcomes
+
+    scenario(3, body)
+
+
+# --- holding and serving update frames --------------------------------------------------
+
+
+def update_frame(synchronizer: str, parent: str) -> bytes:
+    tensors = compress.encode_tensors(
+        compress.make_codec("fp32"), {"w": torch.ones(4, 4), "b": torch.ones(4)}
+    )
+    return build_update_frame(RUN, 0, 0, synchronizer, parent, "new-hash", [("a", 1.0, 64)], tensors)
+
+
+async def hold(caller: Node, holder: Node, frame: bytes) -> wire.Message:
+    raw = await caller.transport.call(
+        holder.peer_id, f"{RUN}.{messages.RPC_HOLD_UPDATE}", frame, 5.0
+    )
+    reply = wire.decode_message(raw, LIMITS)
+    assert not isinstance(reply, wire.Rejected)
+    return reply
+
+
+async def get_update(caller: Node, server: Node, digest: str | None) -> bytes:
+    meta = {"peer": caller.peer_id} | ({"digest": digest} if digest is not None else {})
+    request = wire.encode_message(
+        wire.Message(kind=messages.UPDATE_REQUEST, run=RUN, round=0, fragment=0, meta=meta)
+    )
+    return await caller.transport.call(server.peer_id, f"{RUN}.{messages.RPC_GET_UPDATE}", request, 5.0)
+
+
+def test_hold_update_refuses_a_frame_that_names_another_synchronizer_than_the_caller() -> None:
+    async def body(cluster: Cluster) -> None:
+        caller, holder, other = cluster[0], cluster[1], cluster[2]
+        frame = update_frame(other.peer_id, holder.replicas.genesis[0])
+        reply = await hold(caller, holder, frame)
+        assert reply.meta["status"] == messages.REJECTED
+        assert reply.meta["reason"] == "update names another synchronizer"
+        assert holder.replicas.store.get(0, update_digest(frame)) is None
+        missing = wire.decode_message(await get_update(caller, holder, update_digest(frame)), LIMITS)
+        assert missing.meta["status"] == messages.MISSING
+
+    scenario(3, body)
+
+
+def test_hold_update_refuses_junk_and_frames_of_another_layout() -> None:
+    async def body(cluster: Cluster) -> None:
+        caller, holder = cluster[0], cluster[1]
+        for junk in (b"", b"junk", caller.frame(1.0)):
+            reply = await hold(caller, holder, junk)
+            assert reply.meta["status"] == messages.REJECTED
+        wrong_shape = build_update_frame(
+            RUN, 0, 0, caller.peer_id, "p", "h", [],
+            compress.encode_tensors(compress.make_codec("fp32"), {"w": torch.ones(2), "b": torch.ones(4)}),
+        )
+        assert (await hold(caller, holder, wrong_shape)).meta["status"] == messages.REJECTED
+        assert holder.replicas.store.of_round(0, 0) == []
+
+    scenario(2, body)
+
+
+def test_a_held_frame_is_served_byte_for_byte_by_its_digest_and_is_not_applied() -> None:
+    async def body(cluster: Cluster) -> None:
+        synchronizer, holder, reader = cluster[0], cluster[1], cluster[2]
+        frame = update_frame(synchronizer.peer_id, holder.replicas.genesis[0])
+        digest = update_digest(frame)
+        reply = await hold(synchronizer, holder, frame)
+        assert reply.meta["status"] == messages.HELD
+        assert reply.meta["digest"] == digest
+        assert holder.state.round_of(0) == 0  # held, not applied: only a record commits it
+        assert await get_update(reader, holder, digest) == frame
+        assert await get_update(reader, holder, None) == frame  # by round, without a digest
+        missing = wire.decode_message(await get_update(reader, holder, "0" * 32), LIMITS)
+        assert missing.meta["status"] == messages.MISSING
+
+    scenario(3, body)

@@ -1,0 +1,481 @@
+"""Round records and the canonical-chain rule (pure functions of `p2pdiloco.rounds`).
+
+Every peer reads the same records from the DHT and must pick the same one update per
+(round, fragment); these tests state that rule: the record format, what a decoder does
+with junk, which stored records count, and how rivals, broken links, void updates and
+expired early rounds shape the chain.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2pdiloco.election import synchronizer_order
+from p2pdiloco.rounds import (
+    MAX_LISTED_PEERS,
+    MAX_RECORD_BYTES,
+    ChainView,
+    RoundRecord,
+    beats,
+    canonical_chain,
+    decode_round_record,
+    rank,
+    record_subkey,
+    records_of,
+)
+
+RUN = "rounds-test"
+GENESIS = "genesis-hash"
+EXPIRES = 1e12
+
+
+def record(
+    round_id: int,
+    synchronizer: str,
+    *,
+    parent: str,
+    hash: str,  # noqa: A002 - the field's name
+    fragment: int = 0,
+    digest: str | None = None,
+    contributors: tuple[tuple[str, float, int], ...] = (),
+) -> RoundRecord:
+    return RoundRecord(
+        round=round_id,
+        fragment=fragment,
+        synchronizer=synchronizer,
+        hash=hash,
+        parent=parent,
+        digest=digest if digest is not None else f"digest-{round_id}-{synchronizer}",
+        holders=("holder-1",),
+        contributors=contributors,
+        grace_s=0.25,
+        closed_at=1700000000.5,
+    )
+
+
+def stored(*records: RoundRecord) -> dict[str, tuple[bytes, float]]:
+    """DHT records as `transport.get` returns them, each under its own subkey."""
+    return {record_subkey(r.round, r.synchronizer): (r.encode(), EXPIRES) for r in records}
+
+
+def ordered(round_id: int, *peers: str, fragment: int = 0) -> list[str]:
+    """Peers best-ranked first for (round, fragment)."""
+    return synchronizer_order(RUN, round_id, fragment, peers)
+
+
+# --- the record format ------------------------------------------------------------------
+
+
+def test_a_record_survives_encode_then_decode_field_for_field() -> None:
+    original = RoundRecord(
+        round=7,
+        fragment=2,
+        synchronizer="peer-a",
+        hash="h7",
+        parent="h6",
+        digest="d7",
+        holders=("peer-b", "peer-c"),
+        contributors=(("peer-a", 0.25, 128), ("peer-b", 0.75, 384)),
+        grace_s=0.5,
+        closed_at=1700000123.25,
+    )
+    assert decode_round_record(original.encode()) == original
+    assert decode_round_record(bytearray(original.encode())) == original
+
+
+def test_weight_of_names_the_merge_weight_of_a_contributor_or_none() -> None:
+    r = record(0, "s", parent=GENESIS, hash="h", contributors=(("a", 0.4, 10), ("b", 0.6, 20)))
+    assert r.weight_of("a") == 0.4
+    assert r.weight_of("b") == 0.6
+    assert r.weight_of("c") is None
+
+
+names = st.text(min_size=0, max_size=40)
+finite = st.floats(allow_nan=False, allow_infinity=False)
+valid_records = st.builds(
+    RoundRecord,
+    round=st.integers(0, 2**63 - 1),
+    fragment=st.integers(0, 2**63 - 1),
+    synchronizer=names,
+    hash=names,
+    parent=names,
+    digest=names,
+    holders=st.lists(names, max_size=8).map(tuple),
+    contributors=st.lists(
+        st.tuples(names, finite, st.integers(-(2**63), 2**63 - 1)), max_size=8
+    ).map(tuple),
+    grace_s=finite,
+    closed_at=finite,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(valid_records)
+def test_every_well_formed_record_round_trips(original: RoundRecord) -> None:
+    assert decode_round_record(original.encode()) == original
+
+
+def assert_well_formed(decoded: RoundRecord) -> None:
+    """What a caller may rely on for any record the decoder returns."""
+    assert isinstance(decoded, RoundRecord)
+    for value in (decoded.round, decoded.fragment):
+        assert isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    for value in (decoded.synchronizer, decoded.hash, decoded.parent, decoded.digest):
+        assert isinstance(value, str)
+    assert all(isinstance(p, str) for p in decoded.holders)
+    assert len(decoded.holders) <= MAX_LISTED_PEERS
+    assert len(decoded.contributors) <= MAX_LISTED_PEERS
+    for peer, weight, tokens in decoded.contributors:
+        assert isinstance(peer, str)
+        assert isinstance(weight, float) and math.isfinite(weight)
+        assert isinstance(tokens, int)
+    assert math.isfinite(decoded.grace_s) and math.isfinite(decoded.closed_at)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_decoding_arbitrary_bytes_never_raises(raw: bytes) -> None:
+    decoded = decode_round_record(raw)
+    if decoded is not None:
+        assert_well_formed(decoded)
+
+
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()  # NaN and +-inf included
+    | st.text(max_size=300)
+    | st.binary(max_size=64)
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+FIELDS = (
+    "round", "fragment", "synchronizer", "hash", "parent", "digest",
+    "holders", "contributors", "grace_s", "closed_at",
+)
+
+
+HUGE = st.sampled_from([list(range(70000)), ["peer"] * 5000, [["p", 0.5, 1]] * 3000, "x" * 70000])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    overrides=st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=8), values | HUGE, max_size=12),
+    drop=st.sets(st.sampled_from(FIELDS), max_size=3),
+)
+def test_decoding_any_msgpack_map_never_raises_and_yields_only_well_formed_records(
+    overrides: dict, drop: set[str]
+) -> None:
+    """Junk of every kind (wrong types, NaN and inf, huge lists) in any field."""
+    data = {**valid_map(), **overrides}
+    for name in drop:
+        data.pop(name, None)
+    decoded = decode_round_record(msgpack.packb(data, use_bin_type=True))
+    if decoded is not None:
+        assert_well_formed(decoded)
+
+
+@settings(max_examples=100, deadline=None)
+@given(values)
+def test_decoding_a_msgpack_value_that_is_not_a_map_yields_none(value: object) -> None:
+    if isinstance(value, dict):
+        value = [value]
+    assert decode_round_record(msgpack.packb(value, use_bin_type=True)) is None
+
+
+def valid_map() -> dict:
+    return msgpack.unpackb(record(3, "s", parent="p", hash="h").encode(), raw=False)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("round", -1),
+        ("round", True),
+        ("round", math.nan),
+        ("round", math.inf),
+        ("round", None),
+        ("fragment", -2),
+        ("fragment", math.inf),
+        ("synchronizer", 5),
+        ("synchronizer", b"bytes"),
+        ("synchronizer", "x" * 257),
+        ("hash", None),
+        ("hash", ["h"]),
+        ("parent", 1.5),
+        ("digest", {"d": 1}),
+        ("holders", [1, 2]),
+        ("holders", {"a": 1}),
+        ("contributors", [["a", math.nan, 1]]),
+        ("contributors", [["a", math.inf, 1]]),
+        ("contributors", [["a", 0.5]]),
+        ("contributors", [[7, 0.5, 1]]),
+        ("contributors", [["a", 0.5, math.inf]]),
+        ("contributors", "abc"),
+        ("contributors", None),
+        ("grace_s", math.nan),
+        ("grace_s", -math.inf),
+        ("grace_s", None),
+        ("closed_at", math.inf),
+        ("closed_at", [1.0]),
+    ],
+)
+def test_a_record_with_a_wrong_or_non_finite_field_is_not_a_record(field: str, value: object) -> None:
+    data = valid_map()
+    data[field] = value
+    assert decode_round_record(msgpack.packb(data, use_bin_type=True)) is None
+
+
+@pytest.mark.parametrize("missing", ["round", "fragment", "synchronizer", "hash", "contributors", "grace_s", "closed_at"])
+def test_a_record_missing_a_required_field_is_not_a_record(missing: str) -> None:
+    data = valid_map()
+    del data[missing]
+    assert decode_round_record(msgpack.packb(data, use_bin_type=True)) is None
+
+
+COERCED = "decode_round_record coerces values of the wrong type with int()/float()/iteration"
+
+
+@pytest.mark.xfail(strict=True, reason=COERCED)
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("round", "3"),  # a string accepted as round 3
+        ("round", 1.5),  # a float truncated to round 1
+        ("fragment", True),  # a bool accepted as fragment 1
+        ("holders", "abc"),  # a string becomes the holders ('a', 'b', 'c')
+        ("grace_s", "0.5"),  # a string accepted as a number
+        ("contributors", [["a", "0.5", "2"]]),  # string weight and tokens accepted
+        ("contributors", [["a", 0.5, 2.75]]),  # fractional tokens truncated to 2
+    ],
+)
+def test_a_record_with_a_field_of_the_wrong_type_is_not_a_record(field: str, value: object) -> None:
+    data = valid_map()
+    data[field] = value
+    assert decode_round_record(msgpack.packb(data, use_bin_type=True)) is None
+
+
+def test_oversized_records_are_refused_unread() -> None:
+    huge = record(0, "s", parent=GENESIS, hash="h", contributors=tuple((f"p{i}", 0.1, 1) for i in range(6000)))
+    raw = huge.encode()
+    assert len(raw) > MAX_RECORD_BYTES
+    assert decode_round_record(raw) is None
+    assert decode_round_record(msgpack.packb({**valid_map(), "holders": ["h"] * 70000})) is None
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="decode_round_record silently truncates contributors/holders to MAX_LISTED_PEERS: "
+    "the 1025th contributor of a committed round reads its delta as not merged",
+)
+def test_a_record_listing_more_peers_than_allowed_is_refused_not_truncated() -> None:
+    many = tuple((f"peer-{i}", 1.0 / 1100, 1) for i in range(MAX_LISTED_PEERS + 76))
+    big = record(0, "s", parent=GENESIS, hash="h", contributors=many)
+    raw = big.encode()
+    assert len(raw) <= MAX_RECORD_BYTES
+    assert decode_round_record(raw) in (big, None)
+
+
+# --- which stored records count ---------------------------------------------------------
+
+
+def test_records_of_keys_well_formed_records_by_round_and_synchronizer() -> None:
+    a = record(0, "a", parent=GENESIS, hash="ha")
+    b = record(0, "b", parent=GENESIS, hash="hb")
+    c = record(1, "a", parent="ha", hash="hc")
+    assert records_of(stored(a, b, c), 0) == {(0, "a"): a, (0, "b"): b, (1, "a"): c}
+
+
+def test_records_of_ignores_a_record_stored_under_another_subkey() -> None:
+    genuine = record(0, "a", parent=GENESIS, hash="ha")
+    forged = record(0, "b", parent=GENESIS, hash="hb")
+    raw = {
+        record_subkey(0, "a"): (genuine.encode(), EXPIRES),
+        # b's record stored under a's round-1 slot, under another peer's name, or junk keys
+        record_subkey(1, "b"): (forged.encode(), EXPIRES),
+        record_subkey(0, "c"): (forged.encode(), EXPIRES),
+        "b": (forged.encode(), EXPIRES),
+        "0": (forged.encode(), EXPIRES),
+    }
+    assert records_of(raw, 0) == {(0, "a"): genuine}
+
+
+def test_records_of_ignores_records_of_another_fragment_and_junk() -> None:
+    mine = record(0, "a", parent=GENESIS, hash="ha", fragment=1)
+    other = record(0, "b", parent=GENESIS, hash="hb", fragment=2)
+    raw = {
+        **stored(mine, other),
+        record_subkey(1, "c"): (b"\x00junk", EXPIRES),
+        record_subkey(2, "d"): (msgpack.packb({"round": 2}), EXPIRES),
+    }
+    assert records_of(raw, 1) == {(0, "a"): mine}
+    assert records_of(raw, 2) == {(0, "b"): other}
+    assert records_of(raw, 0) == {}
+
+
+# --- ranking ----------------------------------------------------------------------------
+
+
+def test_the_better_ranked_record_is_the_one_whose_synchronizer_tops_the_rendezvous_order() -> None:
+    peers = [f"peer-{i}" for i in range(6)]
+    for round_id in range(4):
+        best, *rest = ordered(round_id, *peers)
+        top = record(round_id, best, parent="p", hash="h1")
+        for other in rest:
+            rival = record(round_id, other, parent="p", hash="h2")
+            assert rank(RUN, top) < rank(RUN, rival)
+            assert beats(RUN, top, rival) and not beats(RUN, rival, top)
+
+
+# --- the canonical chain ----------------------------------------------------------------
+
+
+def test_a_single_chain_is_followed_from_genesis_to_its_head() -> None:
+    r0 = record(0, "a", parent=GENESIS, hash="h0")
+    r1 = record(1, "b", parent="h0", hash="h1")
+    r2 = record(2, "c", parent="h1", hash="h2")
+    chain = canonical_chain(RUN, [r2, r0, r1], GENESIS)
+    assert chain == {0: r0, 1: r1, 2: r2}
+    assert ChainView(chain).next_round == 3
+    assert ChainView().next_round == 0
+    assert canonical_chain(RUN, [], GENESIS) == {}
+
+
+def test_of_two_rival_records_the_better_ranked_wins_and_the_chain_grows_only_from_it() -> None:
+    winner_id, loser_id = ordered(0, "x", "y")
+    winner = record(0, winner_id, parent=GENESIS, hash="h-win")
+    loser = record(0, loser_id, parent=GENESIS, hash="h-lose")
+    child_of_loser = record(1, "z", parent="h-lose", hash="h-lose-1")
+    child_of_winner = record(1, "w", parent="h-win", hash="h-win-1")
+    chain = canonical_chain(RUN, [loser, child_of_loser, winner], GENESIS)
+    assert chain == {0: winner}  # the loser's child is not in the chain
+    chain = canonical_chain(RUN, [loser, child_of_loser, winner, child_of_winner], GENESIS)
+    assert chain == {0: winner, 1: child_of_winner}
+
+
+def test_the_better_ranked_child_of_the_loser_does_not_outrank_the_winners_child() -> None:
+    winner_id, loser_id = ordered(0, "x", "y")
+    best_1, worst_1 = ordered(1, "u", "v")
+    r0 = record(0, winner_id, parent=GENESIS, hash="h-win")
+    rival0 = record(0, loser_id, parent=GENESIS, hash="h-lose")
+    loser_child = record(1, best_1, parent="h-lose", hash="a")
+    winner_child = record(1, worst_1, parent="h-win", hash="b")
+    chain = canonical_chain(RUN, [loser_child, winner_child, rival0, r0], GENESIS)
+    assert chain == {0: r0, 1: winner_child}
+
+
+def test_a_record_whose_parent_matches_nothing_ends_the_chain() -> None:
+    r0 = record(0, "a", parent=GENESIS, hash="h0")
+    orphan = record(1, "b", parent="not-h0", hash="h1")
+    after_orphan = record(2, "c", parent="h1", hash="h2")
+    assert canonical_chain(RUN, [r0, orphan, after_orphan], GENESIS) == {0: r0}
+    # at round 0 too: a record not built on genesis starts nothing
+    assert canonical_chain(RUN, [record(0, "a", parent="elsewhere", hash="h0")], GENESIS) == {}
+
+
+def test_a_gap_in_the_rounds_ends_the_chain() -> None:
+    r0 = record(0, "a", parent=GENESIS, hash="h0")
+    r2 = record(2, "c", parent="h0", hash="h2")
+    assert canonical_chain(RUN, [r0, r2], GENESIS) == {0: r0}
+
+
+def test_a_void_record_is_skipped_and_its_rival_wins() -> None:
+    winner_id, loser_id = ordered(0, "x", "y")
+    better = record(0, winner_id, parent=GENESIS, hash="h-better", digest="d-better")
+    worse = record(0, loser_id, parent=GENESIS, hash="h-worse", digest="d-worse")
+    child = record(1, "c", parent="h-worse", hash="h1")
+    assert canonical_chain(RUN, [better, worse, child], GENESIS) == {0: better}
+    assert canonical_chain(RUN, [better, worse, child], GENESIS, frozenset({"d-better"})) == {
+        0: worse,
+        1: child,
+    }
+
+
+def test_a_void_record_with_no_rival_ends_the_chain_before_its_round() -> None:
+    r0 = record(0, "a", parent=GENESIS, hash="h0")
+    r1 = record(1, "b", parent="h0", hash="h1", digest="d1")
+    r2 = record(2, "c", parent="h1", hash="h2")
+    assert canonical_chain(RUN, [r0, r1, r2], GENESIS, frozenset({"d1"})) == {0: r0}
+
+
+def test_when_early_rounds_expired_the_chain_starts_at_the_lowest_round_from_its_best_record() -> None:
+    best, second = ordered(5, "x", "y")
+    r5 = record(5, best, parent="h4", hash="h5")
+    rival5 = record(5, second, parent="h4-other", hash="h5-other")
+    r6 = record(6, "z", parent="h5", hash="h6")
+    rival6 = record(6, "w", parent="h5-other", hash="h6-other")
+    chain = canonical_chain(RUN, [rival6, r6, rival5, r5], GENESIS)
+    assert chain == {5: r5, 6: r6}
+
+
+def test_records_of_another_round_than_the_chain_needs_are_ignored() -> None:
+    r0 = record(0, "a", parent=GENESIS, hash="h0")
+    stray = record(9, "b", parent="h0", hash="h9")
+    assert canonical_chain(RUN, [r0, stray], GENESIS) == {0: r0}
+
+
+# --- the rule does not depend on the order records are read in -------------------------
+
+HASHES = [GENESIS, "h1", "h2", "h3", "h4", "h5"]
+SYNCHRONIZERS = ["p0", "p1", "p2", "p3"]
+
+
+@st.composite
+def record_sets(draw) -> list[RoundRecord]:
+    keys = draw(
+        st.sets(st.tuples(st.integers(0, 4), st.sampled_from(SYNCHRONIZERS)), max_size=14)
+    )
+    out = []
+    for round_id, synchronizer in sorted(keys):
+        out.append(
+            record(
+                round_id,
+                synchronizer,
+                parent=draw(st.sampled_from(HASHES)),
+                hash=draw(st.sampled_from(HASHES[1:])),
+                digest=f"d-{round_id}-{synchronizer}",
+            )
+        )
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(records=record_sets(), data=st.data())
+def test_the_chain_is_independent_of_input_order_and_well_linked(records: list[RoundRecord], data) -> None:
+    void = frozenset(data.draw(st.sets(st.sampled_from([r.digest for r in records] or ["none"]))))
+    chain = canonical_chain(RUN, records, GENESIS, void)
+    shuffled = data.draw(st.permutations(records))
+    assert canonical_chain(RUN, shuffled, GENESIS, void) == chain
+    assert canonical_chain(RUN, reversed(records), GENESIS, void) == chain
+    # the same chain when read from the DHT through records_of
+    assert canonical_chain(RUN, records_of(stored(*shuffled), 0).values(), GENESIS, void) == chain
+    if not chain:
+        return
+    rounds = sorted(chain)
+    assert rounds == list(range(rounds[0], rounds[0] + len(rounds)))
+    live = [r for r in records if r.digest not in void]
+    assert rounds[0] == (0 if any(r.round == 0 for r in live) else min(r.round for r in live))
+    for round_id in rounds:
+        chosen = chain[round_id]
+        assert chosen.round == round_id and chosen.digest not in void
+        if round_id == 0:
+            parent = GENESIS
+        elif round_id - 1 in chain:
+            parent = chain[round_id - 1].hash
+        else:
+            parent = None  # the first round present after expired ones
+        if parent is not None:
+            assert chosen.parent == parent
+        rivals = [r for r in live if r.round == round_id and (parent is None or r.parent == parent)]
+        assert chosen == min(rivals, key=lambda r: rank(RUN, r))
+    after = rounds[-1] + 1
+    assert not [r for r in live if r.round == after and r.parent == chain[rounds[-1]].hash]
