@@ -1,0 +1,85 @@
+"""The learner loop's bookkeeping: the base a delta is taken against, and settling deltas
+by the committed record of their round."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+
+from p2pdiloco import compress, wire
+from p2pdiloco.data import learner_batches
+from p2pdiloco.fragments import partition_fragments
+from p2pdiloco.learner import Learner
+from p2pdiloco.learner_link import Outcome
+from p2pdiloco.model import build_model
+from p2pdiloco.state import GlobalState
+from p2pdiloco.train import InnerTrainer
+
+
+def make_learner(tiny_config, tiny_corpus):
+    """A learner whose `submit` records frames and hands back futures the test resolves."""
+    model = build_model("tiny", seed=0, max_seq_len=tiny_config.model.seq_len)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    state = GlobalState(params, partition_fragments({n: p.numel() for n, p in params.items()}, 1), tiny_config.outer)
+    trainer = InnerTrainer(model, tiny_config.train, torch.device("cpu"))
+    batches = learner_batches(tiny_corpus, 0, 1, 2, 32, seed=0)
+    sent: list[tuple[int, int, bytes, Future]] = []
+
+    def submit(fragment: int, target_round: int, frame: bytes) -> Future:
+        future: Future = Future()
+        sent.append((fragment, target_round, frame, future))
+        return future
+
+    learner = Learner("me", "run", tiny_config, trainer, batches, state, submit, [])
+    return learner, state, sent
+
+
+def test_a_delta_is_taken_against_the_base_the_learner_trained_from(tiny_config, tiny_corpus) -> None:
+    learner, state, sent = make_learner(tiny_config, tiny_corpus)
+    base_before = {n: t.clone() for n, t in state.fragment_params(0)[1].items()}
+    learner.trainer.step(learner.batches)
+    learner.progress.c_steps[0] = learner.progress.c_tokens[0] = 1
+    # the global state moves on (an update applied) before the loop takes it over
+    grad = {n: torch.full_like(t, 0.01) for n, t in base_before.items()}
+    state.apply_update(0, 0, grad)
+    learner.ship(0)
+    (_, target, frame, _) = sent[0]
+    msg = wire.decode_message(frame, wire.WireLimits())
+    assert msg.meta["base_round"] == 0 and target == 0
+    delta = compress.decode_tensors(msg.tensors)
+    local = {n: p.detach() for n, p in learner.trainer.model.named_parameters()}
+    for name, tensor in delta.items():
+        expected = base_before[name] - local[name]
+        assert torch.allclose(tensor, expected, atol=0.05), name
+
+
+def test_merged_delta_is_booked_only_when_the_committed_record_lists_it(tiny_config, tiny_corpus) -> None:
+    learner, state, sent = make_learner(tiny_config, tiny_corpus)
+    learner.progress.c_steps[0] = learner.progress.c_tokens[0] = 5
+    learner.ship(0)
+    sent[0][3].set_result(Outcome("merged", 0, 0, "sync", 0.5))
+    learner.collect_outcomes()
+    assert learner.progress.rounds_contributed == 0, "a reply alone books nothing"
+    learner.committed.put((0, 0, frozenset({"me", "other"})))
+    learner.settle()
+    assert learner.progress.rounds_contributed == 1 and learner.progress.tokens_contributed == 5
+    # a rival record wins round 0 later: the delta is un-booked and sent again
+    state.apply_update(0, 0, {n: torch.zeros_like(t) for n, t in state.fragment_params(0)[1].items()})
+    learner.committed.put((0, 0, frozenset({"other"})))
+    learner.settle()
+    assert learner.progress.rounds_contributed == 0 and learner.progress.tokens_contributed == 0
+    assert [t for (_, t, _, _) in sent] == [0, 1], "resent once, to the next round"
+
+
+def test_a_delta_merged_only_in_a_losing_update_is_resent(tiny_config, tiny_corpus) -> None:
+    learner, state, sent = make_learner(tiny_config, tiny_corpus)
+    learner.progress.c_steps[0] = learner.progress.c_tokens[0] = 5
+    learner.ship(0)
+    sent[0][3].set_result(Outcome("merged", 0, 0, "loser", 1.0))
+    learner.collect_outcomes()
+    state.apply_update(0, 0, {n: torch.zeros_like(t) for n, t in state.fragment_params(0)[1].items()})
+    learner.committed.put((0, 0, frozenset({"winner"})))
+    learner.settle()
+    assert learner.progress.rounds_contributed == 0
+    assert [t for (_, t, _, _) in sent] == [0, 1]
