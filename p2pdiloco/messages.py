@@ -78,8 +78,9 @@ def reply(
     message = wire.Message(
         kind=CONTRIBUTE_REPLY,
         run=run,
-        round=round_id,
-        fragment=fragment,
+        # a request that did not decode has no round or fragment: answer for 0
+        round=max(round_id, 0),
+        fragment=max(fragment, 0),
         meta={"peer": peer, "status": status, **{k: v for k, v in meta.items() if v is not None}},
         tensors=tensors or {},
     )

@@ -289,7 +289,6 @@ class ReplicaSync:
             )
             self.on_event({"event": "diverged", "fragment": record.fragment, "round": record.round})
             return False
-        self._notify(record.fragment, record.round, record)
         return True
 
     def _apply(self, update: Update) -> str:

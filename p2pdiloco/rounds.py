@@ -87,11 +87,18 @@ class RoundRecord:
         return None
 
 
-def _finite(value: Any) -> float:
-    number = float(value)
-    if not math.isfinite(number):
-        raise ValueError("non-finite number")
-    return number
+def _number(value: Any) -> float:
+    """A finite int or float (not a bool, not a string)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError("not a finite number")
+    return float(value)
+
+
+def _count(value: Any) -> int:
+    """A non-negative int (not a bool, not a float, not a string)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError("not a count")
+    return value
 
 
 def _str(value: Any, limit: int = 256) -> str:
@@ -100,31 +107,41 @@ def _str(value: Any, limit: int = 256) -> str:
     return value
 
 
+def _peers(value: Any) -> list:
+    """A list of at most MAX_LISTED_PEERS entries (longer: not a record, never truncated)."""
+    if not isinstance(value, list | tuple) or len(value) > MAX_LISTED_PEERS:
+        raise ValueError("not a peer list")
+    return list(value)
+
+
 def decode_round_record(raw: bytes) -> RoundRecord | None:
-    """A round record, or None when the bytes are not one (untrusted input: never raises)."""
+    """A round record, or None when the bytes are not exactly one (untrusted: never raises).
+
+    Types are checked, not coerced: a string where a number belongs is not a record.
+    """
     try:
         if not isinstance(raw, bytes | bytearray) or len(raw) > MAX_RECORD_BYTES:
             return None
         data: Any = msgpack.unpackb(
             raw, raw=False, max_bin_len=1 << 16, max_str_len=1 << 16, max_array_len=1 << 16
         )
-        contributors = tuple(
-            (_str(p), _finite(w), int(t)) for p, w, t in data["contributors"][:MAX_LISTED_PEERS]
-        )
-        round_id, fragment = int(data["round"]), int(data["fragment"])
-        if round_id < 0 or fragment < 0 or isinstance(data["round"], bool):
+        if not isinstance(data, dict):
             return None
+        contributors = []
+        for entry in _peers(data["contributors"]):
+            peer, weight, tokens = _peers(entry)
+            contributors.append((_str(peer), _number(weight), _count(tokens)))
         return RoundRecord(
-            round=round_id,
-            fragment=fragment,
+            round=_count(data["round"]),
+            fragment=_count(data["fragment"]),
             synchronizer=_str(data["synchronizer"]),
             hash=_str(data["hash"]),
             parent=_str(data.get("parent", "")),
             digest=_str(data.get("digest", "")),
-            holders=tuple(_str(p) for p in data.get("holders", ())[:MAX_LISTED_PEERS]),
-            contributors=contributors,
-            grace_s=_finite(data["grace_s"]),
-            closed_at=_finite(data["closed_at"]),
+            holders=tuple(_str(p) for p in _peers(data.get("holders", []))),
+            contributors=tuple(contributors),
+            grace_s=_number(data["grace_s"]),
+            closed_at=_number(data["closed_at"]),
         )
     except Exception:  # noqa: BLE001 - untrusted bytes
         return None

@@ -419,12 +419,17 @@ class Synchronizer:
             log.warning("rival record round=%d fragment=%d: not committing ours", m.round, m.fragment)
             self._finish(window, self._late_reply(m.round, m.fragment, "round committed elsewhere"))
             return
-        await self.transport.store(
+        stored = await self.transport.store(
             rounds_key(self.run, m.fragment),
             record_subkey(m.round, self.peer_id),
             record.encode(),
             self.transport.now() + ROUND_RECORD_TTL_S,
         )
+        if not stored:
+            # No record, no commit: nothing is installed, the learners' bases did not move.
+            log.warning("round record not stored round=%d fragment=%d", m.round, m.fragment)
+            self._finish(window, self._reply(window, messages.NO_QUORUM, reason="round record not stored"))
+            return
         await self.hook("after_record", m.round, m.fragment)
         await self.replicas.install_own(record, update, prepared)
         elapsed = time.monotonic() - started

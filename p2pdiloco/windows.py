@@ -44,6 +44,8 @@ def grace_window_s(
     leave free, so no learner ever blocks on the synchronizer.
     """
     slack = overlap_steps * step_time_s - (time_to_quorum_s + sync_time_s)
+    if math.isnan(slack):
+        return 0.0  # a poisoned estimate must never hold a window open
     return min(max(gamma * slack, 0.0), max_grace_s)
 
 

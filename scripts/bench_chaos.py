@@ -6,16 +6,18 @@ N learners (`p2pdiloco join`, real processes, each with its own identity key and
 checkpoint directory) train the tiny model on loopback. After a fault-free warm-up of W
 seconds comes a chaos phase of W seconds: every T seconds one learner's whole process
 group is SIGKILLed (every other kill the peer holding a window, else a seeded random one)
-and restarted D seconds later with the same identity and checkpoint. The same schedule
-then runs against a synchronous baseline (`sync.min_quorum` = N, `sync.max_grace_s=0`:
-every round waits for every learner). Figures per configuration:
+and restarted D seconds later with the same identity and checkpoint. Decoupled rounds
+close on a quorum of max(2, N // 2); the same schedule then runs against a synchronous
+baseline (`sync.min_quorum` = N, `sync.max_grace_s=0`: every round waits for every
+learner). Figures per configuration:
 
     goodput, goodput_fault_free   tokens in merged contributions / tokens computed
     rounds_per_min_chaos, rounds_per_min_fault_free, longest_stall_s (fragment 0)
     split_rounds                  (fragment, round)s applied with more than one hash
     divergences, rejoin_s (median restart -> first applied round), kills
 
-    python scripts/bench_chaos.py --quick --json out/chaos.json
+    python scripts/bench_chaos.py --quick --json out/chaos.json [--dump out/chaos-raw.json]
+    python scripts/bench_chaos.py --analyze out/chaos-raw.json   # the figures again, no run
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +61,8 @@ JOIN_S = 300.0
 STOP_S = 40.0
 SHIPPED = re.compile(r"shipped fragment=(\d+) round=(\d+) base=-?\d+ tokens=(\d+)")
 NOTABLE = re.compile(r"\b(ERROR|CRITICAL)\b|Traceback|^\S*(Error|Exception)\b")
+STAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} |^\w{3} \d\d \d\d:\d\d:\d\d\.\d{3} ")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 @dataclass(frozen=True)
@@ -71,7 +77,7 @@ class Setting:
     tail_s: float  # after the chaos phase: time left for the last restarts to apply a round
 
 
-QUICK = Setting("quick", learners=4, phase_s=25.0, kill_every_s=8.0, down_s=3.0, tail_s=20.0)
+QUICK = Setting("quick", learners=4, phase_s=25.0, kill_every_s=8.0, down_s=3.0, tail_s=30.0)
 FULL = Setting("full", learners=6, phase_s=120.0, kill_every_s=20.0, down_s=10.0, tail_s=60.0)
 
 
@@ -161,6 +167,7 @@ class Swarm:
         return inc
 
     def current(self, learner: int) -> Incarnation:
+        """The learner's latest process."""
         return [inc for inc in self.incarnations if inc.learner == learner][-1]
 
     def kill(self, learner: int) -> Incarnation:
@@ -222,32 +229,49 @@ class Swarm:
         return out
 
 
-def _kind(kind: str):
+def _kind(kind: str) -> Callable[[Event], bool]:
     return lambda e: e.get("event") == kind
 
 
-def _read_stderr(child: Child) -> tuple[list[list[int]], list[str], dict[str, int]]:
-    """[fragment, round, tokens] of each shipped delta (the learner logs the exact tokens it
-    claims); error lines and tracebacks verbatim; warnings counted by message shape."""
-    shipped: list[list[int]] = []
-    errors: list[str] = []
+def _read_stderr(child: Child) -> tuple[list[list[float]], dict[str, int], dict[str, int]]:
+    """[fragment, round, tokens, time] of each shipped delta (the learner logs the exact
+    tokens it claims; time from the log stamp), error and traceback lines and warnings,
+    each counted by shape (stamps, numbers and peer ids blanked)."""
+    shipped: list[list[float]] = []
+    errors: Counter[str] = Counter()
     warnings: Counter[str] = Counter()
     if child.stderr_path is None:
-        return shipped, errors, {}
+        return shipped, {}, {}
     try:
         text = Path(child.stderr_path).read_text(errors="replace")
     except OSError:
-        return shipped, errors, {}
+        return shipped, {}, {}
+    in_traceback = False
     for line in text.splitlines():
+        line = ANSI.sub("", line)
         if m := SHIPPED.search(line):
-            shipped.append([int(m[1]), int(m[2]), int(m[3])])
-        elif NOTABLE.search(line) or line.startswith(("  File ", "    ")) and errors:
-            if len(errors) < 60:
-                errors.append(line)
-        elif " WARNING " in line:
-            message = line.split(" WARNING ", 1)[1]
-            warnings[re.sub(r"\d+(\.\d+)?", "N", re.sub(r"peer=\S+", "peer=P", message))] += 1
-    return shipped, errors, dict(warnings)
+            shipped.append([int(m[1]), int(m[2]), int(m[3]), _log_time(line)])
+            in_traceback = False
+        elif NOTABLE.search(line) or in_traceback and line.startswith(" "):
+            in_traceback = in_traceback or "Traceback" in line or line.startswith(" ")
+            if len(errors) < 60 or STAMP.sub("", line) in errors:
+                errors[STAMP.sub("", line)] += 1
+        elif " WARNING " in line or "[WARNING]" in line:
+            in_traceback = False
+            message = re.split(r" WARNING |\[WARNING\]", line, maxsplit=1)[-1]
+            message = re.sub(r"peer=\S+", "peer=P", message)
+            warnings[re.sub(r"(?<![A-Za-z])\d+(\.\d+)?", "N", message)] += 1
+        else:
+            in_traceback = False
+    return shipped, dict(errors), dict(warnings)
+
+
+def _log_time(line: str) -> float:
+    """The epoch time of a log line stamped `2026-01-02 03:04:05,678` (local time); nan if none."""
+    try:
+        return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    except ValueError:
+        return float("nan")
 
 
 def run_config(setting: Setting, sets: list[str], seed: int, label: str) -> dict[str, Any]:
@@ -355,6 +379,30 @@ def _tokens_per_step(incs: list[dict[str, Any]], sets: list[str]) -> float:
     return float(int(values["train.batch_size"]) * int(values["model.seq_len"]))
 
 
+def _claims(
+    incs: list[dict[str, Any]],
+    peer_of: dict[int, str | None],
+    close_t: dict[tuple[int, int], float],
+) -> dict[tuple[str, int, int], int]:
+    """(peer, fragment, round) -> tokens of the delta of that peer the round merged.
+
+    A peer may send several deltas to one round (a resend, a fresh one while the update is
+    on its way, a restarted process); a window keeps a peer's first delta and refuses the
+    rest, and none sent after the close is merged: so the earliest one sent before the
+    round closed (the earliest at all when the log has no time).
+    """
+    sent: dict[tuple[str, int, int], list[tuple[float, int]]] = {}
+    for inc in incs:
+        for f, r, tokens, *stamp in inc["shipped"]:
+            t = stamp[0] if stamp and stamp[0] == stamp[0] else float("-inf")  # nan: no time
+            sent.setdefault((peer_of[id(inc)], int(f), int(r)), []).append((t, int(tokens)))
+    claims = {}
+    for key, items in sent.items():
+        before = [x for x in items if x[0] <= close_t.get(key[1:], float("inf"))] or items
+        claims[key] = min(before, key=lambda x: x[0])[1]
+    return claims
+
+
 def analyze(run: dict[str, Any]) -> dict[str, Any]:
     """The figures of one configuration from its raw record."""
     incs, t0, w = run["incarnations"], run["t0"], run["phase_s"]
@@ -380,19 +428,7 @@ def analyze(run: dict[str, Any]) -> dict[str, Any]:
             hashes.setdefault((e["fragment"], e["round"]), set()).add(e["hash"])
     num_fragments = max((f for f, _ in close_t), default=0) + 1
 
-    # tokens of each contribution: the exact claim the learner logged when shipping it;
-    # of several processes of one peer, the one told "merged", else the first (a window
-    # refuses a peer's second delta)
-    shipped: dict[tuple[str, int, int], int] = {}
-    for inc in incs:
-        merged = {
-            (e["fragment"], e["round"]) for e in inc["events"]
-            if e.get("event") == "contributed" and e.get("status") == "merged"
-        }  # fmt: skip
-        for f, r, tokens in inc["shipped"]:
-            key = (peer_of[id(inc)], f, r)
-            if key not in shipped or (f, r) in merged:
-                shipped[key] = tokens
+    shipped = _claims(incs, peer_of, close_t)
     by_peer: dict[str, list[int]] = {}
     for (peer, _, _), tokens in shipped.items():
         by_peer.setdefault(peer, []).append(tokens)
@@ -471,11 +507,20 @@ def analyze(run: dict[str, Any]) -> dict[str, Any]:
         "phases": {"fault_free": fault_free, "chaos": chaotic},
         "contributions_chaos": dict(statuses),
         "unexpected_exits": unexpected,
-        "stderr_errors": sorted({line for inc in incs for line in inc["stderr_errors"]})[:40],
-        "stderr_warnings": dict(
-            sum((Counter(inc["stderr_warnings"]) for inc in incs), Counter()).most_common(15)
-        ),
+        "stderr_errors": _merged_counts(incs, "stderr_errors", 40),
+        "stderr_warnings": _merged_counts(incs, "stderr_warnings", 15),
     }
+
+
+def _merged_counts(incs: list[dict[str, Any]], key: str, limit: int) -> dict[str, int]:
+    """Line -> count over all processes, in order of first appearance (an old dump holds a
+    list of lines)."""
+    total: Counter[str] = Counter()
+    for inc in incs:
+        found = inc[key]
+        for line, n in (found if isinstance(found, dict) else Counter(found)).items():
+            total[STAMP.sub("", line)] += n
+    return dict(list(total.items())[:limit])
 
 
 def report(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -505,6 +550,11 @@ def report(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         **{k: v for k, v in figures["decoupled"].items() if not isinstance(v, dict | list)},
         "decoupled": figures["decoupled"],
         "synchronous": figures["synchronous"],
+        "goodput_measure": (
+            "tokens each merged contributor claimed for its delta (its 'shipped' log line, the "
+            "earliest to that round before the close) / tokens per step x inner steps of every "
+            "process in the phase (step events, interpolated)"
+        ),
         "targets": targets,
         "met": met(figures["decoupled"]),
         "met_synchronous": met(figures["synchronous"]),
@@ -566,7 +616,8 @@ def main() -> int:
             args.dump.parent.mkdir(parents=True, exist_ok=True)
             args.dump.write_text(json.dumps(runs) + "\n")
     out = report(runs)
-    out["wall_s"] = round(time.time() - started, 1)
+    if not args.analyze:
+        out["wall_s"] = round(time.time() - started, 1)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2) + "\n")

@@ -25,7 +25,7 @@ from p2pdiloco.replica_sync import ReplicaSync
 from p2pdiloco.rounds import RoundRecord, canonical_chain, records_of, rounds_key
 from p2pdiloco.state import GlobalState
 from p2pdiloco.synchronizer import Synchronizer
-from p2pdiloco.transport.base import PeerUnreachable, TransportClosed
+from p2pdiloco.transport.base import PeerUnreachable, RemoteError, TransportClosed
 from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
 from p2pdiloco.updates import build_update_frame, update_digest
 
@@ -236,8 +236,11 @@ async def poll(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
 # --- a synchronizer dies at each phase of its commit ------------------------------------
 
 
+@pytest.mark.parametrize("heartbeat", ["still_seen", "expired"])
 @pytest.mark.parametrize("phase", PHASES)
-def test_a_synchronizer_killed_at_any_commit_phase_leaves_one_round_and_loses_no_delta(phase: str) -> None:
+def test_a_synchronizer_killed_at_any_commit_phase_leaves_one_round_and_loses_no_delta(
+    phase: str, heartbeat: str
+) -> None:
     async def body(cluster: Cluster) -> None:
         doomed, second, third = cluster[0], cluster[1], cluster[2]
 
@@ -245,10 +248,12 @@ def test_a_synchronizer_killed_at_any_commit_phase_leaves_one_round_and_loses_no
             if phase == "after_first_reply":
                 # the transport delivers the first answer before the process dies
                 await poll(lambda: cluster.network.calls_to(doomed.peer_id, f"{RUN}.contribute") < 2)
+            if heartbeat == "expired":
+                for node in (second, third):
+                    node.view.discard(doomed.peer_id)
             await doomed.die()
 
         doomed.on_phase[phase] = crash
-        # the dead peer's heartbeat has not expired: it stays in every view
         outcomes = dict(
             zip(
                 (second.peer_id, third.peer_id),
@@ -286,9 +291,22 @@ def test_a_synchronizer_killed_at_any_commit_phase_leaves_one_round_and_loses_no
         # with the same two learners alive on both sides of the failover, nothing is lost
         assert {c[0] for c in committed.contributors} == set(outcomes)
         assert all(o.status == messages.MERGED for o in outcomes.values())
-        # and each survivor's learner was told of that record, once per round reached
+        # after the next heartbeat's sync, each survivor's learner was told that record
         for node in (second, third):
-            assert [(r, rec) for _, r, rec in node.notified] == [(0, committed)]
+            assert await node.replicas.sync_fragment(0)
+            assert node.hash() == committed.hash
+            assert [rec for _, r, rec in node.notified if r == 0] == [committed]
+
+        # the survivors go on: round 1 is built on that record, no round is skipped
+        next_outcomes = await asyncio.gather(
+            second.link.contribute(0, 1, second.frame(0.5, round_id=1)),
+            third.link.contribute(0, 1, third.frame(-0.5, round_id=1)),
+        )
+        assert [o.status for o in next_outcomes] == [messages.MERGED, messages.MERGED]
+        chain = canonical_chain(RUN, cluster.dht_records().values(), genesis)
+        assert sorted(chain) == [0, 1]
+        assert chain[0] == committed and chain[1].parent == committed.hash
+        assert second.hash() == third.hash() == chain[1].hash
 
     scenario(3, body)
 
@@ -386,7 +404,7 @@ def test_split_views_two_records_every_peer_ends_on_the_canonical_winner() -> No
         for peer in (y.peer_id, ly.peer_id):
             assert winner.weight_of(peer) is None
             assert loser.weight_of(peer) is not None
-        for node in (y, ly):
+        for node in (y, ly):  # their learners are told the winner, which lacks them
             last = [rec for _, r, rec in node.notified if r == 0][-1]
             assert last == winner and last.weight_of(node.peer_id) is None
         for node in (x, lx):
@@ -395,19 +413,17 @@ def test_split_views_two_records_every_peer_ends_on_the_canonical_winner() -> No
     scenario(4, body)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ReplicaSync.apply_committed applies and reports (on_committed) the record a "
-    "synchronizer's reply names without checking the DHT's canonical chain; "
-    "Learner.settle books the delta at that first notice, so a delta merged only by "
-    "the losing rival is never resent",
-)
-def test_a_replica_never_reports_a_losing_record_as_committed() -> None:
+def test_after_split_views_heal_every_learner_is_told_only_the_winning_record() -> None:
     async def body(cluster: Cluster) -> None:
-        winner, loser, _ = await split_round(cluster)
-        ly = cluster[3]
-        # both records were in the DHT before any learner was answered
-        assert [rec for _, r, rec in ly.notified if r == 0] == [winner]
+        winner, _, _ = await split_round(cluster)
+        for node in cluster.nodes.values():
+            node.view = set(cluster.nodes)
+        for node in cluster.nodes.values():
+            assert await node.replicas.sync_fragment(0)
+        # both records were in the DHT before any learner was answered: nobody's learner
+        # may be told that round 0 committed the loser's update
+        for node in cluster.nodes.values():
+            assert [rec for _, r, rec in node.notified if r == 0] == [winner], node.peer_id
 
     scenario(4, body)
 
@@ -415,11 +431,6 @@ def test_a_replica_never_reports_a_losing_record_as_committed() -> None:
 # --- the commit point is the stored record ----------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Synchronizer._commit ignores the result of transport.store(round record): "
-    "when the DHT refuses it, the round is installed and answered MERGED with no record",
-)
 def test_a_delta_is_reported_merged_only_when_its_record_is_in_the_dht() -> None:
     async def body(cluster: Cluster) -> None:
         cluster.network.refuse_records = True
@@ -471,20 +482,66 @@ def test_hold_update_refuses_a_frame_that_names_another_synchronizer_than_the_ca
     scenario(3, body)
 
 
-def test_hold_update_refuses_junk_and_frames_of_another_layout() -> None:
+def not_an_update(caller: Node) -> list[bytes]:
+    """Frames a holder must refuse: junk, a contribution, an update of another layout."""
+    wrong_shape = build_update_frame(
+        RUN, 0, 0, caller.peer_id, "p", "h", [],
+        compress.encode_tensors(compress.make_codec("fp32"), {"w": torch.ones(2), "b": torch.ones(4)}),
+    )
+    return [b"", b"junk", caller.frame(1.0), wrong_shape]
+
+
+def test_hold_update_never_keeps_a_frame_that_is_not_an_update_of_this_fragment() -> None:
     async def body(cluster: Cluster) -> None:
         caller, holder = cluster[0], cluster[1]
-        for junk in (b"", b"junk", caller.frame(1.0)):
-            reply = await hold(caller, holder, junk)
+        for frame in not_an_update(caller):
+            try:
+                reply = await hold(caller, holder, frame)
+            except RemoteError:
+                continue  # refused: see the junk-request tests below
             assert reply.meta["status"] == messages.REJECTED
-        wrong_shape = build_update_frame(
-            RUN, 0, 0, caller.peer_id, "p", "h", [],
-            compress.encode_tensors(compress.make_codec("fp32"), {"w": torch.ones(2), "b": torch.ones(4)}),
-        )
-        assert (await hold(caller, holder, wrong_shape)).meta["status"] == messages.REJECTED
         assert holder.replicas.store.of_round(0, 0) == []
 
     scenario(2, body)
+
+
+REPLY_ROUND_MINUS_ONE = (
+    "replies to undecodable requests are built with messages.reply(run, -1, ...), which "
+    "wire.encode_message refuses (round must be >= 0): the handler raises ValueError and "
+    "the caller gets RemoteError instead of a REJECTED reply"
+)
+
+
+def test_hold_update_answers_a_frame_that_is_not_an_update_with_a_rejection() -> None:
+    async def body(cluster: Cluster) -> None:
+        caller, holder = cluster[0], cluster[1]
+        for frame in not_an_update(caller):
+            assert (await hold(caller, holder, frame)).meta["status"] == messages.REJECTED
+
+    scenario(2, body)
+
+
+@pytest.mark.parametrize("rpc", [messages.RPC_GET_UPDATE, messages.RPC_GET_STATE, messages.RPC_CONTRIBUTE])
+def test_a_junk_request_is_answered_with_a_rejection_not_a_handler_failure(rpc: str) -> None:
+    async def body(cluster: Cluster) -> None:
+        caller, server = cluster[0], cluster[1]
+        raw = await caller.transport.call(server.peer_id, f"{RUN}.{rpc}", b"junk", 5.0)
+        reply = wire.decode_message(raw, LIMITS)
+        assert reply.meta["status"] == messages.REJECTED
+
+    scenario(2, body)
+
+
+def test_a_learner_whose_frame_is_garbage_is_told_rejected_by_the_first_synchronizer() -> None:
+    async def body(cluster: Cluster) -> None:
+        garbage = b"P2PD" + bytes(20)
+        outcome = await cluster[1].link.contribute(0, 0, garbage)
+        # today: every synchronizer's handler fails, the learner fails over through all of
+        # them and reports "unreachable" while each counted a rejection
+        assert outcome.status == messages.REJECTED, outcome
+        assert sum(node.sync.num_rejected for node in cluster.nodes.values()) == 1
+
+    scenario(3, body)
 
 
 def test_a_held_frame_is_served_byte_for_byte_by_its_digest_and_is_not_applied() -> None:

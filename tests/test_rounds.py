@@ -107,7 +107,7 @@ valid_records = st.builds(
     digest=names,
     holders=st.lists(names, max_size=8).map(tuple),
     contributors=st.lists(
-        st.tuples(names, finite, st.integers(-(2**63), 2**63 - 1)), max_size=8
+        st.tuples(names, finite, st.integers(0, 2**63 - 1)), max_size=8
     ).map(tuple),
     grace_s=finite,
     closed_at=finite,
@@ -245,7 +245,6 @@ def test_a_record_missing_a_required_field_is_not_a_record(missing: str) -> None
 COERCED = "decode_round_record coerces values of the wrong type with int()/float()/iteration"
 
 
-@pytest.mark.xfail(strict=True, reason=COERCED)
 @pytest.mark.parametrize(
     ("field", "value"),
     [
@@ -272,11 +271,6 @@ def test_oversized_records_are_refused_unread() -> None:
     assert decode_round_record(msgpack.packb({**valid_map(), "holders": ["h"] * 70000})) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="decode_round_record silently truncates contributors/holders to MAX_LISTED_PEERS: "
-    "the 1025th contributor of a committed round reads its delta as not merged",
-)
 def test_a_record_listing_more_peers_than_allowed_is_refused_not_truncated() -> None:
     many = tuple((f"peer-{i}", 1.0 / 1100, 1) for i in range(MAX_LISTED_PEERS + 76))
     big = record(0, "s", parent=GENESIS, hash="h", contributors=many)

@@ -197,19 +197,14 @@ def test_an_infinite_observed_step_time_gives_a_bounded_grace(bad: float) -> Non
     assert action == (Wait(OPENED + RECHECK_S) if bad > 0 else Close(0.0))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="windows.grace_window_s: max(gamma * nan, 0.0) is nan, so a NaN step or sync time "
-    "makes grace_s NaN, Wait.until NaN and the window never closes by its grace",
-)
 @pytest.mark.parametrize("field", ["step_time_s", "sync_time_s"])
 def test_a_nan_observed_time_does_not_poison_the_grace_or_the_wait(field: str) -> None:
     m = machine(min_quorum=1)
     m.accept("a", 100, 10, 1.0, OPENED)
     action = act(m, OPENED, **{field: math.nan})
-    assert math.isfinite(m.grace_s) and 0.0 <= m.grace_s <= MAX_GRACE_S
-    assert isinstance(action, Wait) and math.isfinite(action.until)
-    assert isinstance(act(m, OPENED + MAX_GRACE_S), Close)
+    # an unknowable slack leaves no room to wait in (Eq. 3): close at quorum, never hang
+    assert m.grace_s == 0.0
+    assert action == Close(0.0)
 
 
 # --- invariants over any sequence of events ---------------------------------------------
