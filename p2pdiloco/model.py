@@ -49,6 +49,9 @@ PRESETS: dict[str, ModelShape] = {
 }
 
 
+_INIT_CHUNK = 1 << 16  # 512 KiB of float64: the temporaries stay in cache
+
+
 def portable_uniform_(param: torch.Tensor, std: float, rng: np.random.PCG64) -> None:
     """Fill `param` in place with uniform values of standard deviation `std`, the same bits
     on every machine.
@@ -66,14 +69,19 @@ def portable_uniform_(param: torch.Tensor, std: float, rng: np.random.PCG64) -> 
     if param.device.type == "meta":  # shapes only (size checks): skip the draws
         rng.advance(count)
         return
-    bits = rng.random_raw(count)
-    bits >>= np.uint64(11)
-    values = bits.astype(np.float64)  # integers below 2^53: exact
-    values /= 2.0**53  # a power of two: exact
-    values *= 2.0 * half_width
-    values -= half_width
+    flat = torch.empty(count, dtype=torch.float32)
+    # A chunk at a time (the stream does not depend on it): small temporaries are reused
+    # by malloc, while fresh ones as large as the tensor cost more in page faults.
+    for start in range(0, count, _INIT_CHUNK):
+        bits = rng.random_raw(min(_INIT_CHUNK, count - start))
+        bits >>= np.uint64(11)
+        values = bits.astype(np.float64)  # integers below 2^53: exact
+        values /= 2.0**53  # a power of two: exact
+        values *= 2.0 * half_width
+        values -= half_width
+        flat[start : start + values.size] = torch.from_numpy(values.astype(np.float32))
     with torch.no_grad():
-        param.copy_(torch.from_numpy(values.astype(np.float32)).view(param.shape))
+        param.copy_(flat.view(param.shape))
 
 
 class RMSNorm(nn.Module):

@@ -27,7 +27,13 @@ from concurrent.futures import ThreadPoolExecutor
 from p2pdiloco import compress, messages, wire
 from p2pdiloco.membership import Heartbeat, synchronizer_candidates
 from p2pdiloco.rounds import RoundRecord, canonical_chain, records_of, rounds_key
-from p2pdiloco.state import FragmentState, GlobalState, PreparedUpdate, install_update
+from p2pdiloco.state import (
+    FragmentState,
+    GlobalState,
+    PreparedUpdate,
+    import_verified,
+    install_update,
+)
 from p2pdiloco.transport.base import Transport, TransportError
 from p2pdiloco.updates import Update, UpdateStore, parse_update
 
@@ -415,12 +421,12 @@ class ReplicaSync:
                 )
                 continue
             try:
-                local_hash = await loop.run_in_executor(self.worker, self.state.import_fragment, state)
+                local_hash = await loop.run_in_executor(self.worker, import_verified, self.state, state)
             except ValueError as exc:
                 log.warning("state from donor=%s refused reason=%r", donor[-8:], str(exc))
                 continue
             if local_hash != state.hash:
-                log.warning("imported state hash mismatch fragment=%d", fragment)
+                log.warning("state from donor=%s does not hash to its claim: refused", donor[-8:])
                 continue
             self.applied[fragment] = {state.round - 1: record.digest}
             log.info(

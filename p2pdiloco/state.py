@@ -292,3 +292,20 @@ def install_update(state: GlobalState, prepared: PreparedUpdate) -> bool:
     for listener in list(state.listeners):
         listener(fragment, prepared.round)
     return True
+
+
+def import_verified(state: GlobalState, fragment_state: FragmentState) -> str | None:
+    """Import a downloaded fragment only if its contents hash to what it claims.
+
+    The hash is checked on a scratch copy first, so a donor that names a canonical hash
+    but sends other tensors never changes this replica. Returns the hash, or None.
+    """
+    names = state.fragments[fragment_state.fragment]
+    scratch = GlobalState({n: state.params[n] for n in names}, [list(names)], state.outer)
+    try:
+        computed = scratch.import_fragment(dataclasses.replace(fragment_state, fragment=0))
+    except ValueError:
+        return None
+    if computed != fragment_state.hash:
+        return None
+    return state.import_fragment(fragment_state)

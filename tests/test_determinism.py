@@ -4,8 +4,9 @@ The cross-CPU test runs this file as a script in subprocesses, one per
 `ATEN_CPU_CAPABILITY` this machine can run (default, and avx2/avx512 where the CPU has
 them): each builds the tiny model, runs five rounds of encode -> decode -> merge -> outer
 step on two fragments under every merge rule, codec and momentum schedule, and prints the
-hashes of the decoded deltas (and their norms), the merged gradients and the fragments. Fused multiply-adds (`alpha=`), vectorised reductions or torch's own random init
-make these lists differ between kernel sets; the test asserts they are equal.
+hashes of the decoded deltas (and their norms), the merged gradients and the fragments.
+Fused multiply-adds (`alpha=`), vectorised reductions or torch's own random init make
+these lists differ between kernel sets; the test asserts they are equal.
 """
 
 from __future__ import annotations
@@ -92,11 +93,22 @@ def worker() -> None:
     }
     codecs = {name: make_codec(name, block_size=64) for name in CODECS}
     outer_codec = make_codec("int8")
+    other_codecs = {
+        "fp32": make_codec("fp32"),
+        "fp16": make_codec("fp16"),
+        "bf16": make_codec("bf16"),
+        "int4": make_codec("int4", block_size=64),
+        "topk": make_codec("topk", topk_fraction=0.1),
+        "int8+zstd": make_codec("int8", zstd=True),
+    }
     rng = np.random.PCG64(99)
     weights = token_weights([1000, 3000, 2000], [10, 20, 10], max_share=0.5)
     for round_id in range(ROUNDS):
         for fragment, fragment_names in enumerate(fragments):
             deltas = _deltas(rng, {n: tuple(params[n].shape) for n in fragment_names})
+            for codec_name, codec in other_codecs.items():  # decoded only, not merged
+                decoded_one = {n: decode_tensor(codec.encode(t)) for n, t in deltas[0].items()}
+                print("decoded", round_id, fragment, codec_name, hash_tensors(decoded_one))
             for codec_name, codec in codecs.items():
                 decoded = [
                     {n: decode_tensor(codec.encode(t)) for n, t in delta.items()}
@@ -137,6 +149,7 @@ def _capabilities() -> list[str | None]:
 
 
 def _run_worker(capability: str | None) -> list[str]:
+    """The worker's output lines under `ATEN_CPU_CAPABILITY=capability` (None: unset)."""
     env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
     if capability is not None:
         env["ATEN_CPU_CAPABILITY"] = capability
@@ -157,7 +170,7 @@ def test_hashes_are_identical_across_cpu_kernel_sets() -> None:
     # The variable took effect: `default` really ran the non-vectorised kernels.
     assert runs["default"][0] == "capability DEFAULT"
     reference = runs[None]
-    expected = 2 + ROUNDS * 2 * len(CODECS) * (1 + 2 * len(RULES) * len(DELAYED))
+    expected = 2 + ROUNDS * 2 * (6 + len(CODECS) * (1 + 2 * len(RULES) * len(DELAYED)))
     assert len(reference) == expected
     for capability, lines in runs.items():
         assert lines[1] == reference[1], f"initial model differs under {capability}"

@@ -63,3 +63,23 @@ def test_history_is_bounded() -> None:
         state.remember_update(0, r, f"u{r}".encode())
     assert state.encoded_update(0, 39) == b"u39"
     assert state.encoded_update(0, 0) is None
+
+
+def test_a_downloaded_state_that_does_not_hash_to_its_claim_changes_nothing() -> None:
+    from dataclasses import replace
+
+    from p2pdiloco.state import import_verified, prepare_update
+
+    donor = GlobalState(_params(), [["a", "b"], ["c"]], OuterConfig())
+    donor.apply_update(0, 0, {"a": torch.full((4, 3), 0.1), "b": torch.ones(5)})
+    honest = donor.export_fragment(0)
+    joiner = GlobalState(_params(), [["a", "b"], ["c"]], OuterConfig())
+    before = joiner.fragment_hash(0)
+    forged = replace(honest, params={**honest.params, "b": honest.params["b"] + 1.0})
+    assert import_verified(joiner, forged) is None
+    assert joiner.fragment_hash(0) == before and joiner.rounds == [0, 0]
+    assert import_verified(joiner, honest) == honest.hash == donor.fragment_hash(0)
+    # a result prepared on a copy leaves the replica alone until installed
+    prepared = prepare_update(joiner, 0, 1, {"a": torch.zeros(4, 3), "b": torch.zeros(5)})
+    assert joiner.rounds == [1, 0] and joiner.fragment_hash(0) == honest.hash
+    assert prepared.parent_hash == honest.hash
