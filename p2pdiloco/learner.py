@@ -118,6 +118,8 @@ class Learner:
         """Deltas a synchronizer reported merged, until the canonical record settles them."""
         self.committed: queue.SimpleQueue[tuple[int, int, frozenset[str]]] = queue.SimpleQueue()
         """(fragment, round, contributors) of each committed round the replica reached."""
+        self.pending: dict[int, InFlight] = {}
+        """Per fragment, a late delta waiting for its round to be committed here."""
         self.booked: dict[tuple[int, int], InFlight] = {}
         """The last deltas booked as merged, kept in case a rival record wins their round."""
         state.listeners.append(lambda fragment, round_id: self.received.put((fragment, round_id)))
@@ -163,6 +165,7 @@ class Learner:
             # results that arrived
             self.collect_outcomes()
             self.take_over_updates()
+            self.retry_pending()
 
             # once in a while
             if self.progress.step % 10 == 0:
@@ -203,6 +206,11 @@ class Learner:
         if fragment in self.in_flight or self.progress.c_steps[fragment] == 0:
             return  # the previous one is still on its way; the next schedule takes both
         base_round, base = self.bases[fragment]
+        waiting = self.pending.get(fragment)
+        if waiting is not None and waiting.base_round == base_round:
+            # the new delta is taken against the same base: it carries the waiting one's
+            # progress too, so sending both would count that progress twice
+            del self.pending[fragment]
         local = {n: self._params[n].detach().float().cpu() for n in base}
         delta = {n: base[n] - local[n] for n in base}
         if not all(bool(torch.isfinite(t).all()) for t in delta.values()):
@@ -294,21 +302,36 @@ class Learner:
         self.settle()
 
     def resend(self, fragment: int, item: InFlight) -> None:
-        """A delta that no committed round holds goes to the next round, once, if not too stale."""
+        """A delta that no committed round holds goes to the next round, once, if not too
+        stale. If that round is not committed here yet (the window was still closing), the
+        delta waits for it (`retry_pending`); if it can go nowhere, it is reported dropped."""
         next_round = self.state.round_of(fragment)
-        if (
-            not item.resent
-            and next_round > item.target_round
-            and next_round - item.base_round <= self.config.sync.max_staleness_rounds
-            and fragment not in self.in_flight
-        ):
+        stale = next_round - item.base_round > self.config.sync.max_staleness_rounds
+        if item.resent or stale:
+            self._drop(fragment, item)
+        elif next_round <= item.target_round or fragment in self.in_flight:
+            self.pending[fragment] = item
+        else:
             self.progress.status = "straggling"
             self.on_event({"event": "resent", "fragment": fragment, "round": item.target_round, "to": next_round})
             item.target_round, item.resent = next_round, True
             self._send(fragment, item)
-        else:
-            self.progress.status = "training"
-            self.on_event({"event": "delta_dropped", "fragment": fragment, "round": item.target_round})
+
+    def _drop(self, fragment: int, item: InFlight) -> None:
+        self.progress.status = "training"
+        self.on_event({"event": "delta_dropped", "fragment": fragment, "round": item.target_round})
+
+    def retry_pending(self) -> None:
+        """Resend deltas that waited for their round to be committed here."""
+        for fragment, item in list(self.pending.items()):
+            if fragment in self.in_flight:
+                continue
+            if self.state.round_of(fragment) > item.target_round or (
+                self.state.round_of(fragment) - item.base_round
+                > self.config.sync.max_staleness_rounds
+            ):
+                del self.pending[fragment]
+                self.resend(fragment, item)
 
     def settle(self) -> None:
         """Book merged deltas by the canonical record of their round (as the DHT holds it);

@@ -233,6 +233,7 @@ class PeerDaemon:
         replicas = ReplicaSync(
             self.transport, options.run, state, self.members, self.limits, self.worker,
             void_after_s=config.sync.round_deadline_s, on_event=self.emit,
+            rivals_visible=split.rivals_visible,
         )
         synchronizer = Synchronizer(
             self.transport, options.run, config, state, role_view, self.limits, replicas,

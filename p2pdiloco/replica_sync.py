@@ -62,8 +62,12 @@ class ReplicaSync:
         worker: ThreadPoolExecutor,
         void_after_s: float,
         on_event: Callable[[dict], None] = lambda event: None,
+        rivals_visible: Callable[[int], bool] = lambda round_id: True,
     ) -> None:
         self.transport = transport
+        self.rivals_visible = rivals_visible
+        """Whether records of others are followed at a round (off only under the
+        split-view fault injection, which makes this peer commit a round alone)."""
         self.run = run
         self.state = state
         self.members = members
@@ -237,6 +241,8 @@ class ReplicaSync:
     async def sync_fragment(self, fragment: int, chain: dict[int, RoundRecord] | None = None) -> bool:
         """Bring `fragment` to the head of its canonical chain; True when there."""
         async with self._locks[fragment]:
+            if not self.rivals_visible(self.state.round_of(fragment)):
+                return False
             if chain is None:
                 chain = await self.read_chain(fragment)
             if not chain:

@@ -75,9 +75,11 @@ class Events:
         except (TimeoutError, EOFError):
             pass
 
-    def drain(self, quiet_s: float = 1.0) -> None:
-        """Read every event already printed: until none comes for `quiet_s`."""
-        while True:
+    def drain(self, quiet_s: float = 1.0, max_s: float = 10.0) -> None:
+        """Read the events already printed: until none comes for `quiet_s`, or for at most
+        `max_s` (a swarm closing rounds every second never goes quiet)."""
+        deadline = time.monotonic() + max_s
+        while time.monotonic() < deadline:
             try:
                 self.seen.append(self.peer.next_event(quiet_s))
             except (TimeoutError, EOFError):
