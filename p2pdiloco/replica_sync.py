@@ -134,18 +134,24 @@ class ReplicaSync:
             digest=update.digest,
         )
 
-    async def rpc_get_update(self, caller: str, request: bytes) -> bytes:
-        """The update frame of (round, fragment) with the requested digest, byte for byte."""
+    def _small_request(self, request: bytes, kind: str) -> wire.Message | bytes:
+        """A valid request of `kind` for one of our fragments, or the rejection to answer."""
         msg = wire.decode_message(request, self.limits)
         if (
             isinstance(msg, wire.Rejected)
-            or msg.kind != messages.UPDATE_REQUEST
+            or msg.kind != kind
             or not 0 <= msg.fragment < self.state.num_fragments
         ):
             return messages.reply(
-                self.run, -1, 0, self.transport.peer_id, messages.REJECTED,
-                reason="bad update request",
+                self.run, 0, 0, self.transport.peer_id, messages.REJECTED, reason=f"bad {kind}"
             )
+        return msg
+
+    async def rpc_get_update(self, caller: str, request: bytes) -> bytes:
+        """The update frame of (round, fragment) with the requested digest, byte for byte."""
+        msg = self._small_request(request, messages.UPDATE_REQUEST)
+        if isinstance(msg, bytes):
+            return msg
         digest = msg.meta.get("digest")
         if isinstance(digest, str) and digest:
             update = self.store.get(msg.fragment, digest)
@@ -160,16 +166,9 @@ class ReplicaSync:
 
     async def rpc_get_state(self, caller: str, request: bytes) -> bytes:
         """One fragment's global parameters and optimizer state, for a joining peer."""
-        msg = wire.decode_message(request, self.limits)
-        if (
-            isinstance(msg, wire.Rejected)
-            or msg.kind != wire.STATE_REQUEST
-            or not 0 <= msg.fragment < self.state.num_fragments
-        ):
-            return messages.reply(
-                self.run, -1, 0, self.transport.peer_id, messages.REJECTED,
-                reason="bad state request",
-            )
+        msg = self._small_request(request, wire.STATE_REQUEST)
+        if isinstance(msg, bytes):
+            return msg
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.worker, self._encode_state, msg.fragment)
 
