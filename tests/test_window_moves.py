@@ -8,6 +8,7 @@ together are reproduced exactly.
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -16,6 +17,7 @@ from p2pdiloco.config import RunConfig, replace
 from p2pdiloco.election import synchronizer_order
 from p2pdiloco.learner_link import LearnerLink
 from p2pdiloco.membership import Heartbeat
+from p2pdiloco.replica_sync import ReplicaSync
 from p2pdiloco.state import GlobalState
 from p2pdiloco.synchronizer import Synchronizer
 from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
@@ -39,10 +41,24 @@ class Peer:
         self.events: list[dict] = []
         self.opened = asyncio.Event()
         self.state = fresh_state()
-        self.sync = Synchronizer(
-            self.transport, RUN, CONFIG, self.state, lambda: self.view, LIMITS, self.on_event
+        self.worker = ThreadPoolExecutor(max_workers=1)
+        self.replicas = ReplicaSync(
+            self.transport, RUN, self.state, lambda: self.view, LIMITS, self.worker, 30.0
         )
-        self.link = LearnerLink(self.transport, RUN, CONFIG, self.state, lambda: self.view, LIMITS)
+        self.sync = Synchronizer(
+            self.transport,
+            RUN,
+            CONFIG,
+            self.state,
+            lambda: self.view,
+            LIMITS,
+            self.replicas,
+            self.worker,
+            on_event=self.on_event,
+        )
+        self.link = LearnerLink(
+            self.transport, RUN, CONFIG, self.replicas, lambda: self.view, LIMITS
+        )
 
     def on_event(self, event: dict) -> None:
         self.events.append(event)
@@ -73,6 +89,7 @@ async def three_peers() -> tuple[MemoryNetwork, Peer, Peer, Peer]:
     peers = [Peer(network, p) for p in (top, second, third)]
     for peer in peers:
         await peer.transport.start()
+        await peer.replicas.start()
         await peer.sync.start()
     return network, *peers
 
