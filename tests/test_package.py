@@ -22,6 +22,11 @@ PURE_MODULES = [
     "membership",
     "messages",
     "errors",
+    "rounds",
+    "updates",
+    "state",
+    "checkpoint",
+    "addressbook",
 ]
 """Modules that must stay network-free: each exists, imports no networking library and
 imports only other pure p2pdiloco modules. A new pure module is added here by hand."""
