@@ -618,7 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--corrupt", choices=["nan", "garbage"], help="send corrupt contributions to early rounds"
     )
     faults.add_argument(
-        "--corrupt-rounds", type=int, default=0, help="rounds affected by --corrupt"
+        "--corrupt-rounds", type=int, default=0, help="rounds affected by --corrupt (and as many first contributions)"
     )
     join.add_argument(
         "--crash-at",

@@ -89,12 +89,19 @@ def corrupt_frame(frame: bytes, kind: str) -> bytes:
 
 
 def faulty_contribute(contribute, straggle_s: float, straggle_rounds: int, corrupt: str, corrupt_rounds: int):
-    """Wrap `LearnerLink.contribute` with injected latency and corruption of early rounds."""
+    """Wrap `LearnerLink.contribute` with injected latency and corruption: contributions to
+    rounds below `corrupt_rounds`, and this peer's first `corrupt_rounds` contributions."""
+
+    sent = 0
 
     async def wrapped(fragment: int, target_round: int, frame: bytes):
+        nonlocal sent
+        sent += 1
         if straggle_s > 0 and target_round < straggle_rounds:
             await asyncio.sleep(straggle_s)  # injected latency (no netem here)
-        if corrupt and target_round < corrupt_rounds:
+        # every contribution to the first rounds, and the first ones wherever they land
+        # (a peer that starts late still sends its corrupt delta)
+        if corrupt and (target_round < corrupt_rounds or sent <= corrupt_rounds):
             frame = corrupt_frame(frame, corrupt)
         return await contribute(fragment, target_round, frame)
 
