@@ -206,12 +206,13 @@ def test_nan_and_malformed_contributions_are_rejected_and_the_run_goes_on() -> N
             ROUND_WAIT_S,
         )
     rejected = [e for log in logs for e in log.of("rejected")]
-    reasons = {e["peer"]: e["reason"] for e in rejected}
-    assert (
-        "non-finite" in reasons.get(peers[2].peer_id, "")
-        or "nan" in reasons.get(peers[2].peer_id, "").lower()
-    )
-    assert peers[3].peer_id in reasons
+    reasons: dict[str, list[str]] = {}
+    for e in rejected:
+        reasons.setdefault(e["peer"], []).append(e["reason"])
+    # the corrupt delta is refused for what it is; a later, clean delta of the same peer may
+    # be refused for another reason (e.g. its norm after its earlier deltas went nowhere)
+    assert any("non-finite" in r for r in reasons.get(peers[2].peer_id, [])), reasons
+    assert any("magic" in r or "frame" in r for r in reasons.get(peers[3].peer_id, [])), reasons
     round0 = [e for log in logs for e in log.of("round_closed") if e["round"] == 0]
     assert round0 and not {peers[2].peer_id, peers[3].peer_id} & set(round0[0]["contributors"])
     assert all(p.alive() for p in peers)
