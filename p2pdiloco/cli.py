@@ -7,15 +7,17 @@ Ctrl-C ends with exit code 130 after the command's own clean-up.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from p2pdiloco import __version__
-from p2pdiloco.config import RunConfig, load_config
+from p2pdiloco.config import PeerConfig, RunConfig, load_config
 from p2pdiloco.errors import ConfigError, P2PDilocoError
 
 log = logging.getLogger("p2pdiloco")
@@ -55,9 +57,87 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_peer_flag(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    flag: str,
+    help_text: str,
+    name: str | None = None,
+    **kwargs: Any,
+) -> None:
+    """A shorthand for `--set peer.NAME=VALUE`. It has no default of its own: an absent
+    flag leaves the field to the config (whose defaults are `PeerConfig`'s)."""
+    if "action" not in kwargs:
+        kwargs.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
+    name = name or flag.lstrip("-").replace("-", "_")
+    default = json.dumps(getattr(PeerConfig(), name))
+    parser.add_argument(
+        flag,
+        dest=name,
+        default=None,
+        help=f"{help_text} [peer.{name}, default {default}]",
+        **kwargs,
+    )
+
+
+def _peer_shortcuts(args: argparse.Namespace) -> list[str]:
+    """The peer flags given on the command line, as `peer.NAME=VALUE` overrides."""
+    return [
+        f"peer.{f.name}={json.dumps(getattr(args, f.name))}"
+        for f in dataclasses.fields(PeerConfig)
+        if getattr(args, f.name, None) is not None
+    ]
+
+
 def config_from_args(args: argparse.Namespace, extra: list[str] | None = None) -> RunConfig:
-    """The run config from --config and --set, with shortcut flags applied last."""
-    return load_config(args.config, [*args.overrides, *(extra or [])])
+    """The config from --config, then --set, then shortcut flags (`extra`, then peer flags)."""
+    return load_config(args.config, [*args.overrides, *(extra or []), *_peer_shortcuts(args)])
+
+
+def _join_config(args: argparse.Namespace):
+    """(config, admission, certificates) of a joining peer: from the run's signed manifest
+    when it has one (verified, operator pinned), else from --config/--set (an open run)."""
+    from p2pdiloco.identity import load_or_create_identity
+    from p2pdiloco.manifest import find_manifest, joined_config, pin_operator
+    from p2pdiloco.trust import Admission
+
+    config = config_from_args(args)
+    manifest = find_manifest(config.peer)
+    if manifest is None:
+        peer = _with_initial_peers(config.peer, config.peer.new_run)
+        return dataclasses.replace(config, peer=peer), Admission(), ()
+    if args.config is not None:
+        raise ConfigError(
+            f"--config conflicts with the manifest of run {manifest.name!r}: the run's config "
+            "is the manifest's (use --set for [peer] and per-peer fields)"
+        )
+    config = joined_config(manifest, [*args.overrides, *_peer_shortcuts(args)])
+    pin_operator(manifest)
+    peer = config.peer
+    if not peer.initial_peers and not peer.new_run and manifest.bootstrap:
+        peer = dataclasses.replace(peer, initial_peers=manifest.bootstrap)
+    config = dataclasses.replace(config, peer=_with_initial_peers(peer, peer.new_run))
+    certificates: tuple[bytes, ...] = ()
+    if peer.identity_path:
+        try:
+            me = load_or_create_identity(peer.identity_path).peer_id
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"peer.identity_path: {exc}") from None
+        certificates = manifest.certificates_of(me)
+    log.info(
+        "run manifest name=%s operator=%s synchronizers=%s learners=%s certificates=%d",
+        manifest.name, manifest.operator[-8:], manifest.synchronizers, manifest.learners,
+        len(certificates),
+    )
+    return config, manifest.admission(), certificates
+
+
+def _with_initial_peers(peer: PeerConfig, new_run: bool) -> PeerConfig:
+    """`peer` with its initial peers resolved: the given ones, else its bootstrap file."""
+    from p2pdiloco.bootstrap import resolve_initial_peers
+
+    bootstrap_file = Path(peer.bootstrap_file) if peer.bootstrap_file else None
+    initial = resolve_initial_peers(peer.run, list(peer.initial_peers), bootstrap_file, new_run)
+    return dataclasses.replace(peer, initial_peers=tuple(initial))
 
 
 # --- simulate ----------------------------------------------------------------------------
@@ -195,49 +275,29 @@ def cmd_join(args: argparse.Namespace) -> int:
     """Run the peer daemon: join a run, train, synchronise when elected."""
     import signal
 
-    from p2pdiloco.bootstrap import resolve_initial_peers
-    from p2pdiloco.peer import PeerDaemon, PeerOptions, make_transport_for
+    from p2pdiloco.faults import parse_crash_at
+    from p2pdiloco.peer import PeerDaemon, make_transport_for
+    from p2pdiloco.record_rules import RunRecordRules
     from p2pdiloco.train import resolve_device
 
-    config = config_from_args(args)
+    config, admission, certificates = _join_config(args)
     resolve_device(config.train.device)  # fail before joining, with one line
-    initial = resolve_initial_peers(args.run, args.initial_peers, args.bootstrap_file, args.new_run)
-    options = PeerOptions(
-        run=args.run,
-        initial_peers=tuple(initial),
-        host=args.host,
-        port=args.port,
-        client_mode=args.client_mode,
-        announce_maddrs=tuple(args.announce_maddrs or ()),
-        checkpoint_dir=str(args.checkpoint_dir) if args.checkpoint_dir else None,
-        identity_path=str(args.identity) if args.identity else None,
-        data_rank=args.data_rank,
-        data_shards=args.data_shards,
-        heartbeat_s=args.heartbeat_s,
-        max_rounds=args.max_rounds,
-        max_steps=args.max_steps,
-        wait_peers=args.wait_peers,
-        wait_peers_timeout_s=args.wait_peers_timeout_s,
-        events=args.events,
-        straggle_s=args.straggle_s,
-        straggle_rounds=args.straggle_rounds,
-        corrupt=args.corrupt or "",
-        corrupt_rounds=args.corrupt_rounds,
-        crash_at=args.crash_at or os.environ.get("P2PDILOCO_CRASH_AT", ""),
-        checkpoint_every_s=args.checkpoint_every_s,
-        split_view_rounds=args.split_view_rounds,
-        torch_threads=args.threads,
-        eval_batches=args.eval_batches,
-        startup_timeout_s=args.startup_timeout_s,
-    )
-    from p2pdiloco.faults import parse_crash_at
-
+    peer = config.peer
+    crash_at = peer.crash_at or os.environ.get("P2PDILOCO_CRASH_AT", "")
     try:
-        parse_crash_at(options.crash_at)
+        parse_crash_at(crash_at)
     except ValueError as exc:
-        raise ConfigError(f"--crash-at: {exc}") from None
+        raise ConfigError(f"peer.crash_at (--crash-at, P2PDILOCO_CRASH_AT): {exc}") from None
+    config = dataclasses.replace(config, peer=dataclasses.replace(peer, crash_at=crash_at))
+    rules = RunRecordRules(config.peer.run, config.sync.num_fragments, admission)
     progress = _PhaseProgress()
-    daemon = PeerDaemon(config, options, make_transport_for(options), on_progress=progress.update)
+    daemon = PeerDaemon(
+        config,
+        make_transport_for(config.peer, rules),
+        on_progress=progress.update,
+        admission=admission,
+        certificates=certificates,
+    )
 
     def on_signal(signum, _frame) -> None:
         log.info("signal=%d: leaving the run", signum)
@@ -256,15 +316,20 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     import asyncio
     import signal
 
-    from p2pdiloco.peer import PeerOptions, make_transport_for
+    from p2pdiloco.manifest import find_manifest, joined_config
+    from p2pdiloco.peer import make_transport_for
+    from p2pdiloco.record_rules import RunRecordRules
+    from p2pdiloco.trust import Admission
 
-    options = PeerOptions(
-        initial_peers=tuple(args.initial_peers or []),
-        host=args.host,
-        port=args.port,
-        identity_path=str(args.identity) if args.identity else None,
-    )
-    transport = make_transport_for(options)
+    config = config_from_args(args)
+    peer = config.peer
+    manifest = find_manifest(peer)
+    if manifest is not None:
+        config = joined_config(manifest, [])
+    admission = manifest.admission() if manifest is not None else Admission()
+    # A bootstrap node is a DHT node too: it stores only records the run's rules allow.
+    rules = RunRecordRules(peer.run, config.sync.num_fragments, admission)
+    transport = make_transport_for(peer, rules)
 
     async def serve() -> None:
         stop = asyncio.Event()
@@ -274,7 +339,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
         await transport.start()
         try:
             maddrs = transport.visible_maddrs()
-            if args.events:
+            if peer.events:
                 print(
                     json.dumps({"ready": True, "peer_id": transport.peer_id, "maddrs": maddrs}),
                     flush=True,
@@ -299,38 +364,40 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """A local swarm: a bootstrap node and N learners on 127.0.0.1, with the dashboard."""
+    import signal
+
     from rich.console import Console
 
-    from p2pdiloco.demo import DEMO_RUN, LocalSwarm
+    from p2pdiloco.demo import (
+        DEMO_RUN,
+        LocalSwarm,
+        child_sets,
+        follow_dashboard,
+        follow_plain,
+        print_summary,
+    )
 
     extra = [f"model.preset={json.dumps(args.model)}"] if args.model else []
-    sets = [*DEMO_RUN, *args.overrides, *extra]
-    config = load_config(args.config, sets)  # validate here: one clear line, before any process
+    # The embedded demo run stands in for the default run; a --config file stands alone.
+    base = DEMO_RUN if args.config is None else []
+    # Validated here: one clear line, before any process starts.
+    config = load_config(args.config, [*base, *args.overrides, *extra])
     if args.peers < 1 or args.rounds < 1:
         raise ConfigError("--peers and --rounds must be >= 1")
     console = Console()
-    import signal
 
     def on_term(_signum, _frame) -> None:
         raise KeyboardInterrupt  # SIGTERM stops the demo like Ctrl-C: every child goes too
 
     signal.signal(signal.SIGTERM, on_term)
-    swarm = LocalSwarm(
-        args.peers, sets if args.config is None else [*args.overrides, *extra], args.rounds
-    )
-    if args.config is not None:
-        swarm.sets = [
-            f"{section}.{key}={json.dumps(value)}"
-            for section, values in _config_items(config)
-            for key, value in values
-        ]
+    swarm = LocalSwarm(args.peers, child_sets(config), args.rounds)
     try:
         with console.status(f"starting a bootstrap node and {args.peers} learners on 127.0.0.1 …"):
             swarm.start()
         if args.no_dashboard:
-            _follow_plain(swarm, console)
+            follow_plain(swarm, console)
         else:
-            _follow_dashboard(swarm, config.sync.num_fragments)
+            follow_dashboard(swarm, config.sync.num_fragments)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping every peer…[/]")
         swarm.shutdown()
@@ -338,145 +405,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
     finally:
         swarm.shutdown()
     summary = swarm.summary()
-    _print_demo_summary(console, summary)
+    print_summary(console, summary)
     if args.json:
         _write_json(args.json, summary)
     return 0 if summary["rounds_completed"] >= 1 else 1
 
 
-def _config_items(config: RunConfig):
-    from p2pdiloco.config import config_to_dict
-
-    return [(section, list(values.items())) for section, values in config_to_dict(config).items()]
-
-
-def _follow_plain(swarm, console) -> None:
-    """Without the dashboard: one line per closed round, until every learner left."""
-    import time
-
-    printed: set[tuple[int, int]] = set()
-    while swarm.running():
-        for child in swarm.learners:
-            for event in child.of("round_closed"):
-                key = (event["fragment"], event["round"])
-                if key not in printed:
-                    printed.add(key)
-                    console.print(
-                        f"round {event['round'] + 1} fragment {event['fragment']}: {len(event['contributors'])} deltas merged by {child.name}, grace {event['grace_s']:.2f}s"
-                    )
-            for event in child.of("eval"):
-                key = (-1, id(event))
-                if key not in printed:
-                    printed.add(key)
-        time.sleep(0.5)  # polling the children's event lists, not synchronising
-
-
-def _follow_dashboard(swarm, num_fragments: int) -> None:
-    """The live dashboard, fed by an observer on the swarm's DHT, until every learner left."""
-    import asyncio
-
-    from rich.live import Live
-
-    from p2pdiloco.dashboard import Observer, render_dashboard
-    from p2pdiloco.peer import PeerOptions, make_transport_for
-
-    async def watch() -> None:
-        transport = make_transport_for(
-            PeerOptions(initial_peers=tuple(swarm.bootstrap_maddrs), client_mode=True)
-        )
-        await transport.start()
-        try:
-            observer = Observer(transport, "local", num_fragments)
-            with Live(render_dashboard(await observer.refresh()), refresh_per_second=2) as live:
-                while swarm.running():
-                    await asyncio.sleep(1.0)  # the refresh period of the screen
-                    live.update(render_dashboard(await observer.refresh()))
-        finally:
-            await transport.shutdown()
-
-    asyncio.run(watch())
-
-
-def _print_demo_summary(console, summary: dict) -> None:
-    from rich.table import Table
-
-    from p2pdiloco.dashboard import human_bytes, short
-
-    table = Table(title=f"demo: {summary['peers']} peers, {summary['rounds_completed']} rounds")
-    for name in (
-        "peer",
-        "steps",
-        "tokens",
-        "rounds contributed",
-        "tokens contributed",
-        "bytes sent",
-    ):
-        table.add_column(name, justify="left" if name == "peer" else "right")
-    for peer in summary["per_peer"]:
-        table.add_row(
-            short(peer["peer_id"]),
-            str(peer["steps"]),
-            f"{peer['tokens']:,}",
-            str(peer["rounds_contributed"]),
-            f"{peer['tokens_contributed']:,}",
-            human_bytes(peer["bytes_sent"]),
-        )
-    console.print(table)
-    start, end = summary["eval_loss_start"], summary["eval_loss_end"]
-    if start is not None and end is not None:
-        console.print(
-            f"held-out loss {start:.4f} -> {end:.4f}   bytes sent {human_bytes(summary['bytes_sent'])}   replicas identical: {summary['replicas_identical']}"
-        )
-
-
 # --- dashboard and status ----------------------------------------------------------------
 
 
-def _initial_peers(args: argparse.Namespace) -> list[str]:
-    from p2pdiloco.bootstrap import resolve_initial_peers
-
-    return resolve_initial_peers(args.run, args.initial_peers, args.bootstrap_file, new_run=False)
-
-
-async def _observe_once(args: argparse.Namespace, num_fragments: int):
-    from p2pdiloco.dashboard import Observer
-    from p2pdiloco.peer import PeerOptions, make_transport_for
-
-    transport = make_transport_for(
-        PeerOptions(
-            initial_peers=tuple(_initial_peers(args)),
-            client_mode=True,
-            startup_timeout_s=args.timeout_s,
-        )
-    )
-    await transport.start()
-    return transport, Observer(transport, args.run, num_fragments)
+def _watched(args: argparse.Namespace) -> tuple[PeerConfig, int]:
+    """Whom a watcher joins through (`[peer]`, initial peers resolved) and how many fragments."""
+    config = config_from_args(args)
+    return _with_initial_peers(config.peer, new_run=False), config.sync.num_fragments
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
     """Watch a run live: joins the DHT as a client-mode observer, never trains."""
     import asyncio
 
-    from rich.live import Live
+    from p2pdiloco.dashboard import watch
 
-    from p2pdiloco.dashboard import render_dashboard
-
-    config = config_from_args(args)
-
-    async def watch() -> None:
-        transport, observer = await _observe_once(args, config.sync.num_fragments)
-        try:
-            with Live(
-                render_dashboard(await observer.refresh()), refresh_per_second=2, screen=False
-            ) as live:
-                while True:
-                    await asyncio.sleep(args.refresh_s)  # the screen's refresh period
-                    live.update(render_dashboard(await observer.refresh()))
-        finally:
-            await transport.shutdown()
-
+    peer, num_fragments = _watched(args)
     try:
-        asyncio.run(watch())
+        asyncio.run(watch(peer, num_fragments, args.refresh_s))
     except KeyboardInterrupt:
         return 0
     return 0
@@ -488,19 +440,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from p2pdiloco.dashboard import render_dashboard
+    from p2pdiloco.dashboard import observe_once, render_dashboard
 
-    config = config_from_args(args)
-
-    async def once():
-        transport, observer = await _observe_once(args, config.sync.num_fragments)
-        try:
-            snapshot = await observer.refresh()
-            return snapshot
-        finally:
-            await transport.shutdown()
-
-    snapshot = asyncio.run(once())
+    peer, num_fragments = _watched(args)
+    snapshot = asyncio.run(observe_once(peer, num_fragments))
     if args.json:
         print(json.dumps(snapshot.to_json(), indent=2))
     else:
@@ -520,6 +463,92 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 # --- entry point -------------------------------------------------------------------------
+
+
+def _add_join_flags(join: argparse.ArgumentParser) -> None:
+    """Every `[peer]` field as a `join` flag: shorthands for `--set peer.NAME=VALUE`."""
+    _add_peer_flag(join, "--run", "run name (reads bootstrap_peers/<run>.txt)")
+    _add_peer_flag(
+        join, "--initial-peers", "multiaddrs to bootstrap from", nargs="*", metavar="MULTIADDR"
+    )
+    _add_peer_flag(join, "--bootstrap-file", "bootstrap file (default bootstrap_peers/<run>.txt)")
+    _add_peer_flag(join, "--manifest", "signed run manifest (default bootstrap_peers/<run>.toml)")
+    _add_peer_flag(join, "--new-run", "start a new swarm (no bootstrap peers)", action="store_true")
+    _add_peer_flag(join, "--startup-timeout-s", "give up joining after this long (s)", type=float)
+    _add_peer_flag(join, "--host", "listen address")
+    _add_peer_flag(join, "--port", "listen port (0: any)", type=int)
+    _add_peer_flag(
+        join, "--announce-maddrs", "public addresses to announce", nargs="*", metavar="MULTIADDR"
+    )
+    _add_peer_flag(
+        join, "--client-mode", "behind NAT: outgoing connections only", action="store_true"
+    )
+    _add_peer_flag(join, "--identity", "Ed25519 key file (created if missing)", "identity_path")
+    _add_peer_flag(join, "--heartbeat-s", "seconds between heartbeats", type=float)
+    _add_peer_flag(join, "--data-rank", "this peer's data shard (-1: from the peer id)", type=int)
+    _add_peer_flag(join, "--data-shards", "number of data shards", type=int)
+    _add_peer_flag(
+        join,
+        "--wait-peers",
+        "start training once N learners (this one included) are live (0: at once)",
+        type=int,
+        metavar="N",
+    )
+    _add_peer_flag(
+        join,
+        "--wait-peers-timeout-s",
+        "start anyway after this long (s), with a warning",
+        type=float,
+    )
+    _add_peer_flag(
+        join, "--max-rounds", "leave once every fragment reached this round (0: never)", type=int
+    )
+    _add_peer_flag(join, "--max-steps", "leave after this many inner steps (0: never)", type=int)
+    _add_peer_flag(
+        join, "--eval-batches", "held-out batches evaluated each round (0: none)", type=int
+    )
+    _add_peer_flag(
+        join,
+        "--threads",
+        "torch CPU threads (0: default; 1 when peers share a machine)",
+        "torch_threads",
+        type=int,
+    )
+    _add_peer_flag(join, "--events", "print one JSON event per line on stdout", action="store_true")
+    _add_peer_flag(
+        join,
+        "--checkpoint-dir",
+        "save local state here (periodically, on leaving), restore on start",
+    )
+    _add_peer_flag(
+        join,
+        "--checkpoint-every-s",
+        "seconds between periodic checkpoints (with --checkpoint-dir)",
+        type=float,
+    )
+    faults = join.add_argument_group("fault injection (tests and benchmarks only)")
+    _add_peer_flag(faults, "--straggle-s", "delay contributions to early rounds (s)", type=float)
+    _add_peer_flag(faults, "--straggle-rounds", "rounds affected by --straggle-s", type=int)
+    _add_peer_flag(faults, "--corrupt", "send nan or garbage contributions to early rounds")
+    _add_peer_flag(
+        faults,
+        "--corrupt-rounds",
+        "rounds affected by --corrupt (and as many first contributions)",
+        type=int,
+    )
+    _add_peer_flag(
+        faults,
+        "--crash-at",
+        "PHASE[:ROUND], SIGKILL this peer at that phase of a commit (after_quorum, "
+        "during_merge, after_hold, after_record, after_first_reply); also P2PDILOCO_CRASH_AT",
+    )
+    _add_peer_flag(
+        faults,
+        "--split-view-rounds",
+        "see only this peer and ignore rival records for the first N rounds "
+        "(forces two commits of one round)",
+        type=int,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -546,105 +575,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     join = sub.add_parser("join", help="run the peer daemon: join a run and train")
     _add_config_options(join)
-    join.add_argument("--run", default="local", help="run name (reads bootstrap_peers/<run>.txt)")
-    join.add_argument(
-        "--initial-peers", nargs="*", metavar="MULTIADDR", help="multiaddrs to bootstrap from"
-    )
-    join.add_argument(
-        "--bootstrap-file", type=Path, help="bootstrap file (default bootstrap_peers/<run>.txt)"
-    )
-    join.add_argument(
-        "--new-run", action="store_true", help="start a new swarm (no bootstrap peers)"
-    )
-    join.add_argument(
-        "--startup-timeout-s", type=float, default=120.0, help="give up joining after this long"
-    )
-    join.add_argument("--host", default="127.0.0.1", help="listen address")
-    join.add_argument("--port", type=int, default=0, help="listen port (0: any)")
-    join.add_argument(
-        "--client-mode", action="store_true", help="behind NAT: outgoing connections only"
-    )
     join.add_argument(
         "--log-json", action="store_true", help="log one JSON object per line (for machines)"
     )
-    join.add_argument(
-        "--checkpoint-dir", type=Path, help="save local state here on leaving, restore on start"
-    )
-    join.add_argument(
-        "--announce-maddrs", nargs="*", metavar="MULTIADDR", help="public addresses to announce"
-    )
-    join.add_argument("--identity", type=Path, help="Ed25519 key file (created if missing)")
-    join.add_argument("--data-rank", type=int, help="this peer's data shard")
-    join.add_argument("--data-shards", type=int, default=1, help="number of data shards")
-    join.add_argument("--heartbeat-s", type=float, default=2.0, help="seconds between heartbeats")
-    join.add_argument("--max-rounds", type=int, help="leave once every fragment reached this round")
-    join.add_argument("--max-steps", type=int, help="leave after this many inner steps")
-    join.add_argument(
-        "--wait-peers",
-        type=int,
-        default=0,
-        metavar="N",
-        help="start training once N learners (this one included) are live (0: at once)",
-    )
-    join.add_argument(
-        "--wait-peers-timeout-s",
-        type=float,
-        default=300.0,
-        help="start anyway after this long (with a warning)",
-    )
-    join.add_argument(
-        "--eval-batches",
-        type=int,
-        default=2,
-        help="held-out batches evaluated each round (0: none)",
-    )
-    join.add_argument(
-        "--threads",
-        type=int,
-        default=0,
-        help="torch CPU threads (0: default; 1 when peers share a machine)",
-    )
-    join.add_argument(
-        "--events", action="store_true", help="print one JSON event per line on stdout"
-    )
-    faults = join.add_argument_group("fault injection (tests and benchmarks)")
-    faults.add_argument(
-        "--straggle-s", type=float, default=0.0, help="delay contributions to early rounds (s)"
-    )
-    faults.add_argument(
-        "--straggle-rounds", type=int, default=0, help="rounds affected by --straggle-s"
-    )
-    faults.add_argument(
-        "--corrupt", choices=["nan", "garbage"], help="send corrupt contributions to early rounds"
-    )
-    faults.add_argument(
-        "--corrupt-rounds", type=int, default=0, help="rounds affected by --corrupt (and as many first contributions)"
-    )
-    join.add_argument(
-        "--crash-at",
-        help="fault injection: PHASE[:ROUND], SIGKILL this peer at that phase of a commit "
-        "(after_quorum, during_merge, after_hold, after_record, after_first_reply); "
-        "also P2PDILOCO_CRASH_AT",
-    )
-    join.add_argument(
-        "--split-view-rounds", type=int, default=0,
-        help="fault injection: see only this peer and ignore rival records for the first "
-        "N rounds (forces two commits of one round)",
-    )
-    join.add_argument(
-        "--checkpoint-every-s", type=float, default=60.0,
-        help="seconds between periodic checkpoints (with --checkpoint-dir)",
-    )
+    _add_join_flags(join)
     join.set_defaults(handler=cmd_join)
 
     bootstrap = sub.add_parser("bootstrap", help="run a DHT-only node and print its multiaddrs")
-    bootstrap.add_argument("--host", default="127.0.0.1", help="listen address")
-    bootstrap.add_argument("--port", type=int, default=0, help="listen port (0: any)")
-    bootstrap.add_argument("--identity", type=Path, help="Ed25519 key file (created if missing)")
-    bootstrap.add_argument(
-        "--initial-peers", nargs="*", metavar="MULTIADDR", help="other bootstrap nodes"
+    _add_config_options(bootstrap)
+    _add_peer_flag(bootstrap, "--host", "listen address")
+    _add_peer_flag(bootstrap, "--port", "listen port (0: any)", type=int)
+    _add_peer_flag(
+        bootstrap, "--identity", "Ed25519 key file (created if missing)", "identity_path"
     )
-    bootstrap.add_argument("--events", action="store_true", help="print a JSON readiness line")
+    _add_peer_flag(
+        bootstrap, "--initial-peers", "other bootstrap nodes", nargs="*", metavar="MULTIADDR"
+    )
+    _add_peer_flag(bootstrap, "--events", "print a JSON readiness line", action="store_true")
     bootstrap.set_defaults(handler=cmd_bootstrap)
 
     demo = sub.add_parser("demo", help="a local swarm on this machine with the live dashboard")
@@ -662,17 +609,23 @@ def build_parser() -> argparse.ArgumentParser:
     ]:
         watcher = sub.add_parser(name, help=help_text)
         _add_config_options(watcher)
-        watcher.add_argument(
-            "--run", default="local", help="run name (reads bootstrap_peers/<run>.txt)"
+        _add_peer_flag(watcher, "--run", "run name (reads bootstrap_peers/<run>.txt)")
+        _add_peer_flag(
+            watcher,
+            "--initial-peers",
+            "multiaddrs to bootstrap from",
+            nargs="*",
+            metavar="MULTIADDR",
         )
-        watcher.add_argument(
-            "--initial-peers", nargs="*", metavar="MULTIADDR", help="multiaddrs to bootstrap from"
+        _add_peer_flag(
+            watcher, "--bootstrap-file", "bootstrap file (default bootstrap_peers/<run>.txt)"
         )
-        watcher.add_argument(
-            "--bootstrap-file", type=Path, help="bootstrap file (default bootstrap_peers/<run>.txt)"
-        )
-        watcher.add_argument(
-            "--timeout-s", type=float, default=60.0, help="give up joining the DHT after this long"
+        _add_peer_flag(
+            watcher,
+            "--timeout-s",
+            "give up joining the DHT after this long (s)",
+            "startup_timeout_s",
+            type=float,
         )
         if name == "dashboard":
             watcher.add_argument(

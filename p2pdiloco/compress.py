@@ -6,6 +6,11 @@ everything it needs (block size, scale dtype, k, index width) from `meta`, so a 
 decodes whatever a sender chose; `check_layout` says, before a payload is read, whether
 its size is what codec, shape and meta imply (the wire calls it on untrusted headers).
 
+Decoding untrusted tensors is bounded before anything is allocated: `decode_tensors`
+checks every shape against the layout the caller expects (or, without one, the total
+against `MAX_DECODE_ELEMENTS`), and a zstd payload may declare at most `MAX_ZSTD_RATIO`
+times its own size and is decompressed in bounded slices to exactly that size.
+
     fp32 / fp16 / bf16   plain casts (fp16 saturates at +-65504 rather than overflowing)
     int8 / int4          blockwise absmax: code = round(x / scale), scale = absmax / 127 (7)
     fp4                  E3M0 (sign + 3-bit exponent): +-absmax * 2^-e, e in 0..6, or 0
@@ -21,6 +26,7 @@ floating-point reduction (docs/arithmetic.md). Encoding runs on one learner and 
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import warnings
@@ -37,6 +43,8 @@ from p2pdiloco.config import CODECS, CompressConfig
 
 __all__ = [
     "CODECS",
+    "MAX_DECODE_ELEMENTS",
+    "MAX_ZSTD_RATIO",
     "Codec",
     "EncodedTensor",
     "ErrorFeedback",
@@ -49,6 +57,8 @@ __all__ = [
     "make_codec_from_config",
 ]
 
+logger = logging.getLogger(__name__)
+
 _NATIVE_LITTLE = sys.byteorder == "little"
 # Elements processed per step of the blockwise loops: big enough that Python overhead is
 # negligible, small enough that the fp32 temporaries stay in cache (4 MiB).
@@ -59,6 +69,16 @@ _FP16_MIN_NORMAL = 2.0**-14
 # Above this size topk first filters candidates by a threshold estimated on a strided sample.
 _TOPK_DIRECT_MAX = 1 << 16
 ZSTD_LEVEL = 3
+MAX_DECODE_ELEMENTS = 1 << 28
+"""Most elements one `decode_tensors` call materialises when the caller gives no layout."""
+MAX_ZSTD_RATIO = 256
+"""Largest decoded/compressed size ratio a zstd payload may declare. Real deltas compress
+1-3x; zeros reach ~30,000x, which would let a few KiB cost a receiver GiBs. Encoders fall
+back to the plain payload above it, so an honest peer never hits this limit."""
+ZSTD_RATIO_FREE_BYTES = 4096
+"""Decoded sizes up to this many bytes pass whatever their ratio (tiny tensors compress well)."""
+_ZSTD_INPUT_SLICE = 1 << 16  # compressed bytes fed per step; output is checked after each
+_NO_LIMIT = 1 << 62  # element bound for local (trusted) decodes: shapes are still type-checked
 
 
 @dataclass(frozen=True)
@@ -125,6 +145,20 @@ def _shape_of(tensor: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(d) for d in tensor.shape)
 
 
+def _checked_numel(shape: Any, max_elements: int) -> int:
+    """Elements of an untrusted `shape`, or ValueError past `max_elements` (no allocation)."""
+    if not isinstance(shape, tuple | list) or len(shape) > 64:
+        raise ValueError(f"shape must be a tuple of at most 64 ints, got {type(shape).__name__}")
+    numel = 1
+    for dim in shape:
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+            raise ValueError(f"shape has a bad dimension {str(dim)[:40]!r}")
+        numel *= dim  # checked per dimension, so the product stays small whatever is claimed
+        if numel > max_elements:
+            raise ValueError(f"shape {list(shape)[:8]} has more than {max_elements} elements")
+    return numel
+
+
 def _meta_int(meta: Mapping[str, Any], key: str, low: int, high: int) -> int:
     """`meta[key]` as an int in [low, high], or ValueError naming the key."""
     value = meta.get(key)
@@ -165,7 +199,7 @@ class Codec(ABC):
 
     def check_layout(self, shape: tuple[int, ...], meta: Mapping[str, Any], nbytes: int) -> None:
         """ValueError unless a payload of `nbytes` is exactly what shape and meta imply."""
-        expected = self.raw_payload_bytes(math.prod(shape), meta)
+        expected = self.raw_payload_bytes(_checked_numel(shape, _NO_LIMIT), meta)
         if nbytes != expected:
             raise ValueError(
                 f"payload is {nbytes} bytes, codec {self.name} with shape "
@@ -173,10 +207,15 @@ class Codec(ABC):
             )
 
     def _check_encoded(self, encoded: EncodedTensor) -> int:
+        if not isinstance(encoded, EncodedTensor):
+            raise ValueError(f"expected an EncodedTensor, got {type(encoded).__name__}")
         if encoded.codec != self.name:
-            raise ValueError(f"codec {self.name} cannot decode a {encoded.codec} tensor")
-        self.check_layout(encoded.shape, encoded.meta, len(encoded.payload))
-        return math.prod(encoded.shape)
+            raise ValueError(f"codec {self.name} cannot decode a {encoded.codec!r:.40} tensor")
+        if not isinstance(encoded.payload, bytes):
+            raise ValueError(f"payload must be bytes, got {type(encoded.payload).__name__}")
+        numel = _checked_numel(encoded.shape, _NO_LIMIT)
+        self.check_layout(tuple(encoded.shape), encoded.meta, len(encoded.payload))
+        return numel
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -535,7 +574,11 @@ class _TopkCodec(Codec):
 
 
 class _ZstdCodec(Codec):
-    """`inner`'s payload compressed with zstd; meta gets "zstd": True, the name stays inner's."""
+    """`inner`'s payload compressed with zstd; meta gets "zstd": True, the name stays inner's.
+
+    A payload that would compress past `MAX_ZSTD_RATIO` is sent plain (meta without
+    "zstd"), which every receiver accepts; this codec decodes both forms.
+    """
 
     def __init__(self, inner: Codec, level: int = ZSTD_LEVEL) -> None:
         self.inner = inner
@@ -548,7 +591,13 @@ class _ZstdCodec(Codec):
     def encode(self, tensor: torch.Tensor) -> EncodedTensor:
         plain = self.inner.encode(tensor)
         payload = zstandard.ZstdCompressor(level=self.level).compress(plain.payload)
+        if _zstd_ratio_refusal(len(plain.payload), len(payload)) is not None:
+            return plain
         return EncodedTensor(plain.codec, plain.shape, {**plain.meta, "zstd": True}, payload)
+
+    @staticmethod
+    def _is_zstd(meta: Mapping[str, Any]) -> bool:
+        return isinstance(meta, Mapping) and "zstd" in meta
 
     def _inner_meta(self, meta: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(meta, Mapping) or meta.get("zstd") is not True:
@@ -556,32 +605,72 @@ class _ZstdCodec(Codec):
         return {key: val for key, val in meta.items() if key != "zstd"}
 
     def raw_payload_bytes(self, numel: int, meta: Mapping[str, Any]) -> int:
+        if not self._is_zstd(meta):
+            return self.inner.raw_payload_bytes(numel, meta)
         return self.inner.raw_payload_bytes(numel, self._inner_meta(meta))
 
     def check_layout(self, shape: tuple[int, ...], meta: Mapping[str, Any], nbytes: int) -> None:
-        raw = self.raw_payload_bytes(math.prod(shape), meta)
+        if not self._is_zstd(meta):
+            self.inner.check_layout(shape, meta, nbytes)
+            return
+        raw = self.raw_payload_bytes(_checked_numel(shape, _NO_LIMIT), meta)
         # zstd never expands more than its compress bound (~raw/256 + a frame header)
         bound = raw + (raw >> 7) + 1024
         if not 0 < nbytes <= bound:
             raise ValueError(f"zstd payload is {nbytes} bytes, must be in [1, {bound}]")
+        refusal = _zstd_ratio_refusal(raw, nbytes)
+        if refusal is not None:
+            raise ValueError(refusal)
 
     def decode(self, encoded: EncodedTensor) -> torch.Tensor:
-        if encoded.codec != self.name:
-            raise ValueError(f"codec {self.name} cannot decode a {encoded.codec} tensor")
-        self.check_layout(encoded.shape, encoded.meta, len(encoded.payload))
+        if isinstance(encoded, EncodedTensor) and not self._is_zstd(encoded.meta):
+            return self.inner.decode(encoded)
+        self._check_encoded(encoded)  # layout and ratio, before a byte is decompressed
         raw = self.raw_payload_bytes(math.prod(encoded.shape), encoded.meta)
-        try:
-            declared = zstandard.get_frame_parameters(encoded.payload).content_size
-            # Check the frame's declared size first: zstandard allocates whatever it says.
-            if declared != raw:
-                raise ValueError(f"zstd frame declares {declared} bytes, expected {raw}")
-            plain = zstandard.ZstdDecompressor().decompress(encoded.payload, max_output_size=raw)
-        except zstandard.ZstdError as exc:
-            raise ValueError(f"zstd: {exc}") from None
-        if len(plain) != raw:
-            raise ValueError(f"zstd payload decompressed to {len(plain)} bytes, expected {raw}")
+        plain = _bounded_decompress(encoded.payload, raw)
         inner = EncodedTensor(encoded.codec, encoded.shape, self._inner_meta(encoded.meta), plain)
         return self.inner.decode(inner)
+
+
+def _zstd_ratio_refusal(raw_bytes: int, zstd_bytes: int) -> str | None:
+    """Why `zstd_bytes` may not decode to `raw_bytes` (a compression bomb), or None."""
+    if raw_bytes <= max(MAX_ZSTD_RATIO * zstd_bytes, ZSTD_RATIO_FREE_BYTES):
+        return None
+    return (
+        f"zstd payload of {zstd_bytes} bytes declares {raw_bytes} decoded bytes, "
+        f"a ratio above MAX_ZSTD_RATIO={MAX_ZSTD_RATIO}"
+    )
+
+
+def _bounded_decompress(payload: bytes, raw_bytes: int) -> bytes:
+    """The one zstd frame in `payload`, which must decode to exactly `raw_bytes` bytes.
+
+    The frame's declared size is checked first; then the input is fed in slices and the
+    output checked after each, so nothing past `raw_bytes` (plus one slice's worth) is
+    ever held, whatever the frame's blocks say. Trailing bytes after the frame are refused.
+    """
+    try:
+        declared = zstandard.get_frame_parameters(payload).content_size
+        if declared != raw_bytes:
+            raise ValueError(f"zstd frame declares {declared} bytes, expected {raw_bytes}")
+        stream = zstandard.ZstdDecompressor().decompressobj()
+        parts, size, fed = [], 0, 0
+        while fed < len(payload) and not stream.eof:
+            part = stream.decompress(payload[fed : fed + _ZSTD_INPUT_SLICE])
+            fed += _ZSTD_INPUT_SLICE
+            size += len(part)
+            if size > raw_bytes:
+                raise ValueError(f"zstd payload decompresses past {raw_bytes} bytes")
+            parts.append(part)
+        complete = stream.eof
+        trailing = max(len(payload) - fed, 0) + len(stream.unused_data) if complete else 0
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"zstd: {exc}") from None
+    if not complete or trailing:
+        raise ValueError("zstd payload is not exactly one complete frame")
+    if size != raw_bytes:
+        raise ValueError(f"zstd payload decompressed to {size} bytes, expected {raw_bytes}")
+    return b"".join(parts)
 
 
 # ---------------------------------------------------------------------------------------
@@ -634,7 +723,7 @@ _ZSTD_DECODERS: dict[str, Codec] = {name: _ZstdCodec(codec) for name, codec in _
 def codec_for(codec: str, meta: Mapping[str, Any]) -> Codec:
     """A codec able to decode tensors of name `codec` with `meta`; ValueError if unknown."""
     if not isinstance(codec, str) or codec not in _DECODERS:
-        raise ValueError(f"unknown codec {codec!r}")
+        raise ValueError(f"unknown codec {codec!r:.40}")
     zstd = isinstance(meta, Mapping) and "zstd" in meta
     return _ZSTD_DECODERS[codec] if zstd else _DECODERS[codec]
 
@@ -643,16 +732,45 @@ def check_layout(
     codec: str, shape: tuple[int, ...], meta: Mapping[str, Any], nbytes: int
 ) -> str | None:
     """None if a payload of `nbytes` is what codec, shape and meta imply, else the reason."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        return f"nbytes must be an int, got {type(nbytes).__name__}"
     try:
-        codec_for(codec, meta).check_layout(tuple(shape), meta, nbytes)
+        codec_for(codec, meta).check_layout(shape, meta, nbytes)
     except ValueError as exc:
         return f"{exc}"
     return None
 
 
-def decode_tensor(encoded: EncodedTensor) -> torch.Tensor:
-    """Decode any valid `EncodedTensor` (fp32, its shape); ValueError if it is not valid."""
-    return codec_for(encoded.codec, encoded.meta).decode(encoded)
+def decode_tensor(
+    encoded: EncodedTensor,
+    *,
+    expected_shape: tuple[int, ...] | None = None,
+    max_elements: int = _NO_LIMIT,
+    finite: bool = False,
+) -> torch.Tensor:
+    """Decode any valid `EncodedTensor` (fp32, its shape); ValueError if it is not valid.
+
+    Before anything is allocated the shape must equal `expected_shape` (when given) and
+    hold at most `max_elements`; with `finite`, a NaN or Inf in the result is a ValueError.
+    Any input, of any type, gives a tensor or a ValueError.
+    """
+    if not isinstance(encoded, EncodedTensor):
+        raise ValueError(f"expected an EncodedTensor, got {type(encoded).__name__}")
+    numel = _checked_numel(encoded.shape, max_elements)
+    if expected_shape is not None and tuple(encoded.shape) != tuple(expected_shape):
+        raise ValueError(
+            f"shape {list(encoded.shape)[:8]} is not the expected {list(expected_shape)}"
+        )
+    try:
+        tensor = codec_for(encoded.codec, encoded.meta).decode(encoded)
+    except ValueError:
+        raise
+    except Exception as exc:  # a codec bug must still be a rejection, not a crash
+        logger.warning("tensor decode failed unexpectedly error=%r", exc)
+        raise ValueError(f"malformed tensor: {type(exc).__name__}: {exc}") from None
+    if finite and numel and not bool(torch.isfinite(tensor).all()):
+        raise ValueError("non-finite values (NaN or Inf)")
+    return tensor
 
 
 def encode_tensors(
@@ -670,14 +788,53 @@ def encode_tensors(
     return encoded
 
 
-def decode_tensors(encoded: Mapping[str, EncodedTensor]) -> dict[str, torch.Tensor]:
-    """Decode every tensor; ValueError naming the first one that is not valid."""
+def decode_tensors(
+    encoded: Mapping[str, EncodedTensor],
+    *,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+    max_total_elements: int = MAX_DECODE_ELEMENTS,
+    finite: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Decode untrusted tensors by name; ValueError naming the first one that is not valid.
+
+    Every size is checked before the first tensor is decoded: with `shapes`, the names
+    must be exactly its keys and each shape its value; without, the element count over
+    all tensors is at most `max_total_elements`. With `finite` (the default: these are
+    deltas, updates and state from the network), NaN or Inf anywhere is a ValueError.
+    Any input, of any type, gives tensors or a ValueError.
+    """
+    if not isinstance(encoded, Mapping):
+        raise ValueError(f"tensors must be a map of names, got {type(encoded).__name__}")
+    if shapes is not None:
+        missing = sorted(map(str, set(shapes) - set(encoded)))
+        extra = sorted(map(str, set(encoded) - set(shapes)))
+        if missing or extra:
+            raise ValueError(
+                f"tensor names do not match the layout: missing {missing[:4]}, "
+                f"unexpected {[name[:60] for name in extra[:4]]}"
+            )
+    total = 0
+    for name, tensor in encoded.items():
+        if not isinstance(tensor, EncodedTensor):
+            raise ValueError(f"tensor {name!r:.60}: not an EncodedTensor")
+        try:
+            if shapes is not None:
+                expected = tuple(shapes[name])
+                if tuple(tensor.shape) != expected:
+                    raise ValueError(
+                        f"shape {list(tensor.shape)[:8]} is not the expected {list(expected)}"
+                    )
+            total += _checked_numel(tensor.shape, _NO_LIMIT if shapes else max_total_elements)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"tensor {name!r:.60}: {exc}") from None
+        if shapes is None and total > max_total_elements:
+            raise ValueError(f"tensors hold more than {max_total_elements} elements")
     out = {}
     for name, tensor in encoded.items():
         try:
-            out[name] = decode_tensor(tensor)
+            out[name] = decode_tensor(tensor, finite=finite)
         except ValueError as exc:
-            raise ValueError(f"tensor {name!r}: {exc}") from None
+            raise ValueError(f"tensor {name!r:.60}: {exc}") from None
     return out
 
 

@@ -5,6 +5,9 @@ Every field has a working default and a docstring-style comment with its unit.
 `section.key=value` overrides; unknown sections or keys, wrong types and values out
 of range are `ConfigError`s naming the dotted field. The shipped `default.toml`
 equals these defaults (a test checks it).
+
+All sections but `[peer]` describe the run every peer shares; `[peer]` holds this one
+peer's settings (address, identity, limits), which `config_hash` leaves out.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from p2pdiloco.errors import ConfigError
+from p2pdiloco.screening import ScreeningRules
 
 MODEL_PRESETS = ("tiny", "small", "150m", "1b")
 DEVICES = ("auto", "cpu", "cuda", "mps", "xla")
@@ -201,8 +205,6 @@ class SyncConfig:
     """Deltas whose base is more than this many rounds old are rejected."""
     staleness_discount: float = 0.5
     """Weight multiplier per round of staleness of an accepted delta."""
-    norm_outlier_factor: float = 10.0
-    """Reject deltas whose norm is more than this factor from the median (or below 1/factor)."""
     on_receive: str = "overwrite"
     """overwrite (paper), rebase (keep in-flight progress) or mix (blend with mix_alpha)."""
     mix_alpha: float = 0.5
@@ -211,6 +213,9 @@ class SyncConfig:
     """R: peers besides the synchronizer that must hold a round's update before the round
     is committed (fewer when fewer other learners are live), so it survives the
     synchronizer's death."""
+    audit_share: float = 0.1
+    """Share of other synchronizers' rounds this peer recomputes from the signed
+    contributions before applying them (each peer samples on its own; see security.md)."""
 
     def __post_init__(self) -> None:
         _check(
@@ -255,9 +260,9 @@ class SyncConfig:
             f"must be in (0, 1], got {self.staleness_discount}",
         )
         _check(
-            self.norm_outlier_factor > 1.0,
-            "sync.norm_outlier_factor",
-            f"must be > 1, got {self.norm_outlier_factor}",
+            0.0 <= self.audit_share <= 1.0,
+            "sync.audit_share",
+            f"must be in [0, 1], got {self.audit_share}",
         )
         _check(
             self.on_receive in ON_RECEIVE,
@@ -343,9 +348,135 @@ class SimulateConfig:
         )
 
 
+CORRUPTIONS = ("", "nan", "garbage")
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    """How this one peer joins and runs: its own choice, never part of the run's hash.
+
+    Every `p2pdiloco join` flag is a shorthand for one of these fields (`--port 4000` is
+    `--set peer.port=4000`); the defaults live here only.
+    """
+
+    # --- joining ----------------------------------------------------------------------
+    run: str = "local"
+    """Run name: the namespace of every DHT key and RPC; names bootstrap_peers/<run>.txt."""
+    initial_peers: tuple[str, ...] = ()
+    """Multiaddrs to bootstrap from (empty: the run's bootstrap file, or none with `new_run`)."""
+    bootstrap_file: str = ""
+    """Bootstrap file to read initial peers from ("": bootstrap_peers/<run>.txt)."""
+    manifest: str = ""
+    """Signed run manifest ("": bootstrap_peers/<run>.toml when it exists): it then gives
+    the run config, the bootstrap peers, the admission rules and the certificates."""
+    new_run: bool = False
+    """Start a new swarm: no bootstrap peers needed (the run's first peer)."""
+    startup_timeout_s: float = 120.0
+    """Bound on joining the DHT, in seconds."""
+
+    # --- network ----------------------------------------------------------------------
+    host: str = "127.0.0.1"
+    """Listen address (0.0.0.0: every interface)."""
+    port: int = 0
+    """Listen port (0: any free port)."""
+    announce_maddrs: tuple[str, ...] = ()
+    """Addresses to announce instead of the listen ones (public IP behind port forwarding)."""
+    client_mode: bool = False
+    """Behind NAT: only outgoing connections; never elected synchronizer."""
+    identity_path: str = ""
+    """Ed25519 key file, created if missing, so the peer id survives restarts ("": a new id)."""
+    heartbeat_s: float = 2.0
+    """Seconds between heartbeats; a peer silent for 4 heartbeats is gone."""
+
+    # --- training -----------------------------------------------------------------------
+    data_rank: int = -1
+    """This peer's data shard (-1: derived from the peer id)."""
+    data_shards: int = 1
+    """Data shards the run is split into (1: every peer reads all, in its own order)."""
+    wait_peers: int = 0
+    """Start training only once this many learners (this one included) are live, so peers
+    started together begin together (0: start at once). Bounded by `wait_peers_timeout_s`."""
+    wait_peers_timeout_s: float = 300.0
+    """Seconds after which the peer starts anyway (with a warning): a barrier never hangs."""
+    max_rounds: int = 0
+    """Leave once every fragment reached this round (0: run until stopped)."""
+    max_steps: int = 0
+    """Leave after this many inner steps (0: run until stopped)."""
+    eval_batches: int = 2
+    """Held-out batches evaluated after each round of fragment 0 (0: none)."""
+    torch_threads: int = 0
+    """Threads for torch's CPU kernels (0: torch's default). Several peers on one machine
+    should use 1 each, or their busy-waiting thread pools starve one another."""
+    events: bool = False
+    """Print one JSON line per event on stdout (tests and the demo read these)."""
+
+    # --- checkpoints --------------------------------------------------------------------
+    checkpoint_dir: str = ""
+    """Where local state is saved (periodically and on leaving) and restored on start ("": none)."""
+    checkpoint_every_s: float = 60.0
+    """Seconds between periodic checkpoints while training (with `checkpoint_dir`)."""
+
+    # --- fault injection: tests and benchmarks only, off by default ----------------------
+    straggle_s: float = 0.0
+    """Test only: delay contributions to the first `straggle_rounds` rounds by this, seconds."""
+    straggle_rounds: int = 0
+    """Test only: rounds (from 0) whose contributions are delayed by `straggle_s`."""
+    corrupt: str = ""
+    """Test only: send `nan` deltas or `garbage` frames to the first `corrupt_rounds` rounds."""
+    corrupt_rounds: int = 0
+    """Test only: rounds (from 0) whose contributions are corrupted."""
+    crash_at: str = ""
+    """Test only: `PHASE[:ROUND]`, die (SIGKILL) at that phase of a commit (see faults)."""
+    split_view_rounds: int = 0
+    """Test only: see only itself and ignore rival records for the first rounds (forces
+    two commits of one round; see faults.SplitView)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            bool(self.run) and "/" not in self.run and not self.run.startswith("."),
+            "peer.run",
+            f"must be a plain name like 'community-150m', got {self.run!r}",
+        )
+        _check(
+            self.startup_timeout_s > 0.0,
+            "peer.startup_timeout_s",
+            f"must be > 0, got {self.startup_timeout_s}",
+        )
+        _check(bool(self.host), "peer.host", "must not be empty")
+        _check(0 <= self.port <= 65535, "peer.port", f"must be in [0, 65535], got {self.port}")
+        _check(self.heartbeat_s > 0.0, "peer.heartbeat_s", f"must be > 0, got {self.heartbeat_s}")
+        _check(self.data_rank >= -1, "peer.data_rank", f"must be >= -1, got {self.data_rank}")
+        _check(self.data_shards >= 1, "peer.data_shards", f"must be >= 1, got {self.data_shards}")
+        for name in (
+            "wait_peers",
+            "max_rounds",
+            "max_steps",
+            "eval_batches",
+            "torch_threads",
+            "straggle_rounds",
+            "corrupt_rounds",
+            "split_view_rounds",
+        ):
+            value = getattr(self, name)
+            _check(value >= 0, f"peer.{name}", f"must be >= 0, got {value}")
+        for name in ("wait_peers_timeout_s", "straggle_s"):
+            value = getattr(self, name)
+            _check(value >= 0.0, f"peer.{name}", f"must be >= 0, got {value}")
+        _check(
+            self.checkpoint_every_s > 0.0,
+            "peer.checkpoint_every_s",
+            f"must be > 0, got {self.checkpoint_every_s}",
+        )
+        _check(
+            self.corrupt in CORRUPTIONS,
+            "peer.corrupt",
+            f"must be one of {CORRUPTIONS}, got {self.corrupt!r}",
+        )
+
+
 @dataclass(frozen=True)
 class RunConfig:
-    """Everything a run agrees on, one section per component."""
+    """Everything a run agrees on, one section per component, and this peer's own `peer`."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -353,14 +484,25 @@ class RunConfig:
     outer: OuterConfig = field(default_factory=OuterConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     compress: CompressConfig = field(default_factory=CompressConfig)
+    screening: ScreeningRules = field(default_factory=ScreeningRules)
+    """How synchronizers screen learners' deltas (auditors redo it: part of the run hash)."""
     simulate: SimulateConfig = field(default_factory=SimulateConfig)
+    peer: PeerConfig = field(default_factory=PeerConfig)
+    """Per peer, not shared: left out of `config_hash`."""
 
 
 DEFAULT_TOML = Path(__file__).with_name("default.toml")
 
 
 def _coerce(value: Any, kind: Any, name: str) -> Any:
-    """Check `value` against the field type `kind`; ints are accepted for floats."""
+    """Check `value` against the field type `kind`; ints are accepted for floats and
+    TOML arrays of strings for `tuple[str, ...]`."""
+    if typing.get_origin(kind) is tuple:
+        if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(
+                f'{name} must be a list of strings, e.g. ["/ip4/1.2.3.4/tcp/31337/p2p/12D3Koo..."], got {value!r}'
+            )
+        return tuple(value)
     if kind is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{name} must be a boolean (true/false), got {value!r}")
@@ -387,7 +529,12 @@ def _build_section(cls: type, name: str, values: dict[str, Any]) -> Any:
     if unknown:
         raise ConfigError(f"unknown key {name}.{unknown[0]} (known: {', '.join(sorted(known))})")
     kwargs = {key: _coerce(val, hints[key], f"{name}.{key}") for key, val in values.items()}
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def config_from_dict(raw: dict[str, Any]) -> RunConfig:
@@ -465,28 +612,38 @@ def render_toml(config: RunConfig) -> str:
     for section, values in config_to_dict(config).items():
         lines.append(f"[{section}]")
         for key, val in values.items():
-            if isinstance(val, bool):
-                text = "true" if val else "false"
-            elif isinstance(val, str):
-                text = '"' + val.replace("\\", "\\\\").replace('"', '\\"') + '"'
-            else:
-                text = repr(val)
-            lines.append(f"{key} = {text}")
+            lines.append(f"{key} = {_toml_value(val)}")
         lines.append("")
     return "\n".join(lines)
 
 
-PER_PEER_FIELDS = {"train": {"device", "batch_size", "grad_accum"}}
+def _toml_value(val: Any) -> str:
+    """A scalar, or a tuple of strings, as a TOML value."""
+    if isinstance(val, bool):
+        return "true" if val else "false"
+    if isinstance(val, str):
+        return '"' + val.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(val, tuple):
+        return "[" + ", ".join(_toml_value(v) for v in val) + "]"
+    return repr(val)
+
+
+PER_PEER_FIELDS = {
+    "train": {"device", "batch_size", "grad_accum"},
+    "sync": {"audit_share"},
+}
 """Fields each volunteer may choose for its own machine (token weighting absorbs them)."""
 
 
 def config_hash(
-    config: RunConfig, sections: tuple[str, ...] = ("model", "train", "outer", "sync", "compress")
+    config: RunConfig,
+    sections: tuple[str, ...] = ("model", "train", "outer", "sync", "compress", "screening"),
 ) -> str:
     """A short hash of what every peer of a run must agree on.
 
-    Left out: `data` (each volunteer may train on its own text), `simulate`, and the
-    per-peer fields of `PER_PEER_FIELDS`.
+    Left out: `data` (each volunteer may train on its own text), `simulate`, `peer`
+    (ports, identities, limits and fault injection are each peer's own), and the per-peer
+    fields of `PER_PEER_FIELDS`.
     """
     import hashlib
     import json

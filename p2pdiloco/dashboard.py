@@ -1,13 +1,16 @@
 """The terminal dashboard: plain data in, rich renderables out.
 
 It reads what peers publish (heartbeats and round records) and never drives the run.
-`SwarmSnapshot` is the data; `render_*` are pure functions of a snapshot; `observe`
-builds snapshots from a transport, for `p2pdiloco dashboard`, `status` and `demo`.
+`SwarmSnapshot` is the data; `render_*` are pure functions of a snapshot; `Observer`
+builds snapshots from a transport; `watch` (the live screen) and `observe_once` join the
+DHT as a client-mode observer, for `p2pdiloco dashboard`, `status` and `demo`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,8 +19,9 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from p2pdiloco.config import PeerConfig
 from p2pdiloco.membership import Heartbeat, live_members, members_key
-from p2pdiloco.rounds import RoundRecord, decode_round_record, rounds_key
+from p2pdiloco.rounds import RoundRecord, open_record, rounds_key
 
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -197,7 +201,7 @@ class Observer:
     async def refresh(self) -> SwarmSnapshot:
         now = self.transport.now()
         records = await self.transport.get(members_key(self.run))
-        live, _rejected = live_members(records, now)
+        live, _rejected = live_members(self.run, records, now)
         snap = self.snapshot
         snap.taken_at = now
         snap.members = {p: b for p, b in live.items() if b.role == "learner"}
@@ -212,7 +216,7 @@ class Observer:
         for fragment in range(self.num_fragments):
             raw = await self.transport.get(rounds_key(self.run, fragment))
             decoded = [
-                r for r in (decode_round_record(v) for v, _ in raw.values()) if r is not None
+                r for r in (open_record(self.run, v) for v, _ in raw.values()) if r is not None
             ]
             if decoded:
                 snap.rounds[fragment] = max(decoded, key=lambda r: r.round)
@@ -222,3 +226,47 @@ class Observer:
             if not snap.loss_history or snap.loss_history[-1] != loss:
                 snap.loss_history.append(loss)
         return snap
+
+
+async def _open_observer(peer: PeerConfig, num_fragments: int) -> tuple[Any, Observer]:
+    """A started client-mode transport joined through `peer.initial_peers`, and an
+    observer of `peer.run` on it (never the peer's own address or identity)."""
+    from p2pdiloco.peer import make_transport_for
+
+    transport = make_transport_for(
+        PeerConfig(
+            initial_peers=peer.initial_peers,
+            client_mode=True,
+            startup_timeout_s=peer.startup_timeout_s,
+        )
+    )
+    await transport.start()
+    return transport, Observer(transport, peer.run, num_fragments)
+
+
+async def observe_once(peer: PeerConfig, num_fragments: int) -> SwarmSnapshot:
+    """One snapshot of the run (`p2pdiloco status`)."""
+    transport, observer = await _open_observer(peer, num_fragments)
+    try:
+        return await observer.refresh()
+    finally:
+        await transport.shutdown()
+
+
+async def watch(
+    peer: PeerConfig,
+    num_fragments: int,
+    refresh_s: float = 1.0,
+    keep_going: Callable[[], bool] = lambda: True,
+) -> None:
+    """The live screen: a fresh snapshot every `refresh_s` seconds while `keep_going()`."""
+    from rich.live import Live
+
+    transport, observer = await _open_observer(peer, num_fragments)
+    try:
+        with Live(render_dashboard(await observer.refresh()), refresh_per_second=2) as live:
+            while keep_going():
+                await asyncio.sleep(refresh_s)  # the screen's refresh period
+                live.update(render_dashboard(await observer.refresh()))
+    finally:
+        await transport.shutdown()

@@ -3,19 +3,34 @@
 A bootstrap node and N learner peers (`p2pdiloco join`) are started in their own
 process groups by `p2pdiloco.launcher`, which reads their JSON event lines in background
 threads. `LocalSwarm` owns the children: `shutdown()` stops every one of them (SIGTERM,
-then SIGKILL of the group), and runs on Ctrl-C too.
+then SIGKILL of the group), and runs on Ctrl-C too. `follow_plain` and
+`follow_dashboard` show the swarm until every learner left; `print_summary` the totals.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import json
 import sys
 import time
 from typing import Any
 
+from rich.console import Console
+
+from p2pdiloco.config import PeerConfig, RunConfig, config_to_dict
 from p2pdiloco.errors import NetworkSetupError
 from p2pdiloco.launcher import Child, ChildFailedToStart
 
-__all__ = ["DEMO_RUN", "Child", "LocalSwarm"]
+__all__ = [
+    "DEMO_RUN",
+    "Child",
+    "LocalSwarm",
+    "child_sets",
+    "follow_dashboard",
+    "follow_plain",
+    "print_summary",
+]
 
 DEMO_RUN = [
     "model.preset='small'",
@@ -28,6 +43,18 @@ DEMO_RUN = [
     "data.max_files=400",
 ]
 """The embedded demo run: the `small` model on the stdlib corpus, H=20, quorum 2."""
+
+
+def child_sets(config: RunConfig) -> list[str]:
+    """`--set` items that give a child peer `config`: every run field, and the `[peer]`
+    fields changed from their defaults (the swarm's own join flags come after, and win)."""
+    defaults = dataclasses.asdict(PeerConfig())
+    return [
+        f"{section}.{key}={json.dumps(value)}"
+        for section, values in config_to_dict(config).items()
+        for key, value in values.items()
+        if section != "peer" or value != defaults[key]
+    ]
 
 
 class LocalSwarm:
@@ -136,3 +163,59 @@ class LocalSwarm:
                 for s in done
             ],
         }
+
+
+def follow_plain(swarm: LocalSwarm, console: Console) -> None:
+    """Without the dashboard: one line per closed round, until every learner left."""
+    printed: set[tuple[int, int]] = set()
+    while swarm.running():
+        for child in swarm.learners:
+            for event in child.of("round_closed"):
+                key = (event["fragment"], event["round"])
+                if key not in printed:
+                    printed.add(key)
+                    console.print(
+                        f"round {event['round'] + 1} fragment {event['fragment']}: {len(event['contributors'])} deltas merged by {child.name}, grace {event['grace_s']:.2f}s"
+                    )
+        time.sleep(0.5)  # polling the children's event lists, not synchronising
+
+
+def follow_dashboard(swarm: LocalSwarm, num_fragments: int) -> None:
+    """The live dashboard, fed by an observer on the swarm's DHT, until every learner left."""
+    from p2pdiloco.dashboard import watch
+
+    observer = PeerConfig(initial_peers=tuple(swarm.bootstrap_maddrs))
+    asyncio.run(watch(observer, num_fragments, refresh_s=1.0, keep_going=swarm.running))
+
+
+def print_summary(console: Console, summary: dict[str, Any]) -> None:
+    """The demo's closing table: per peer steps, tokens, contributions and bytes."""
+    from rich.table import Table
+
+    from p2pdiloco.dashboard import human_bytes, short
+
+    table = Table(title=f"demo: {summary['peers']} peers, {summary['rounds_completed']} rounds")
+    for name in (
+        "peer",
+        "steps",
+        "tokens",
+        "rounds contributed",
+        "tokens contributed",
+        "bytes sent",
+    ):
+        table.add_column(name, justify="left" if name == "peer" else "right")
+    for peer in summary["per_peer"]:
+        table.add_row(
+            short(peer["peer_id"]),
+            str(peer["steps"]),
+            f"{peer['tokens']:,}",
+            str(peer["rounds_contributed"]),
+            f"{peer['tokens_contributed']:,}",
+            human_bytes(peer["bytes_sent"]),
+        )
+    console.print(table)
+    start, end = summary["eval_loss_start"], summary["eval_loss_end"]
+    if start is not None and end is not None:
+        console.print(
+            f"held-out loss {start:.4f} -> {end:.4f}   bytes sent {human_bytes(summary['bytes_sent'])}   replicas identical: {summary['replicas_identical']}"
+        )

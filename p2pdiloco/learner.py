@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -21,6 +21,7 @@ import torch
 
 from p2pdiloco import compress, wire
 from p2pdiloco.config import RunConfig
+from p2pdiloco.devices import StagedCopy
 from p2pdiloco.fragments import fragments_due
 from p2pdiloco.learner_link import Outcome
 from p2pdiloco.messages import LATE, MERGED
@@ -46,6 +47,17 @@ class InFlight:
     resent: bool = False
     weight: float = 0.0
     """Merge weight the synchronizer reported (booked once the record settles it)."""
+
+
+@dataclass
+class Staged:
+    """A fragment whose host copy is on its way: its delta is encoded and sent once it landed."""
+
+    copy: StagedCopy
+    base_round: int
+    base: dict[str, torch.Tensor]
+    tokens: int
+    steps: int
 
 
 @dataclass
@@ -108,6 +120,8 @@ class Learner:
         num_fragments = state.num_fragments
         self.progress = LearnerProgress(c_tokens=[0] * num_fragments, c_steps=[0] * num_fragments)
         self.in_flight: dict[int, InFlight] = {}
+        self.staged: dict[int, Staged] = {}
+        """Fragments copied to the host last step, sent after the next step was queued."""
         self.received: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         self._shipped_local: dict[int, dict[str, torch.Tensor]] = {}
         self._params = dict(trainer.model.named_parameters())
@@ -155,12 +169,14 @@ class Learner:
             # every step
             started = time.monotonic()
             result = self.trainer.step(self.batches)
-            self._count(result.tokens, time.monotonic() - started, result.loss)
+            self._count(result.tokens, time.monotonic() - started)
             self.progress.train_s += time.monotonic() - started
 
-            # ship the fragments that are due
+            # ship: send what was staged last step (its host copy ran beside this step's
+            # work on an accelerator), then stage the fragments that are due now
+            self.send_staged()
             for fragment in fragments_due(self.progress.step, sync.inner_steps, sync.num_fragments):
-                self.ship(fragment)
+                self.stage(fragment)
 
             # results that arrived
             self.collect_outcomes()
@@ -169,12 +185,15 @@ class Learner:
 
             # once in a while
             if self.progress.step % 10 == 0:
+                loss = self.trainer.read_loss()  # the only place the loss leaves the device
+                self.progress.loss = self.progress.loss if loss is None else loss
                 self.on_event(
                     {
                         "event": "step",
                         "step": self.progress.step,
                         "loss": self.progress.loss,
                         "rounds": list(self.state.rounds),
+                        **self.trainer.device_stats(),
                     }
                 )
 
@@ -185,10 +204,14 @@ class Learner:
                 break
             if max_steps is not None and self.progress.step >= max_steps:
                 break
+        self.send_staged()
+        finished = self.trainer.finish()  # a multi-process learner releases its other ranks
+        if finished:
+            self.on_event({"event": "trainer_finished", **finished})
         self.progress.loop_s = time.monotonic() - loop_started
         self.progress.status = "leaving"
 
-    def _count(self, tokens: int, step_time_s: float, loss: float) -> None:
+    def _count(self, tokens: int, step_time_s: float) -> None:
         p = self.progress
         p.step += 1
         p.tokens += tokens
@@ -197,13 +220,19 @@ class Learner:
             p.c_steps[fragment] += 1
         p.step_time_s = step_time_s if p.step == 1 else 0.9 * p.step_time_s + 0.1 * step_time_s
         p.tokens_per_s = tokens / max(p.step_time_s, 1e-9)
-        p.loss = loss if p.step == 1 else 0.9 * p.loss + 0.1 * loss
 
     # --- ship a fragment ----------------------------------------------------------------
 
     def ship(self, fragment: int) -> None:
         """Encode this fragment's delta against its global base and hand it to the network."""
-        if fragment in self.in_flight or self.progress.c_steps[fragment] == 0:
+        self.stage(fragment)
+        self.send_staged([fragment])
+
+    def stage(self, fragment: int) -> None:
+        """Start copying this fragment to the host, with the base and counters its delta is
+        taken against; `send_staged` encodes and sends it once the copy landed."""
+        busy = fragment in self.in_flight or fragment in self.staged
+        if busy or self.progress.c_steps[fragment] == 0:
             return  # the previous one is still on its way; the next schedule takes both
         base_round, base = self.bases[fragment]
         waiting = self.pending.get(fragment)
@@ -211,29 +240,39 @@ class Learner:
             # the new delta is taken against the same base: it carries the waiting one's
             # progress too, so sending both would count that progress twice
             del self.pending[fragment]
-        local = {n: self._params[n].detach().float().cpu() for n in base}
-        delta = {n: base[n] - local[n] for n in base}
-        if not all(bool(torch.isfinite(t).all()) for t in delta.values()):
-            # A diverged replica must not poison the swarm: drop it and restart from global.
-            log.warning(
-                "non-finite local delta fragment=%d: not sent; fragment reset to global", fragment
+        copy = self.trainer.host.stage({n: self._params[n] for n in base})
+        tokens, steps = self.progress.c_tokens[fragment], self.progress.c_steps[fragment]
+        self.staged[fragment] = Staged(copy, base_round, base, tokens, steps)
+
+    def send_staged(self, fragments: Iterable[int] | None = None) -> None:
+        """Encode and send the staged fragments (all, or those in `fragments`)."""
+        chosen = self.staged.keys() if fragments is None else self.staged.keys() & set(fragments)
+        for fragment in sorted(chosen):
+            staged = self.staged.pop(fragment)
+            local = staged.copy.wait()
+            delta = {n: staged.base[n] - local[n] for n in staged.base}
+            if not all(bool(torch.isfinite(t).all()) for t in delta.values()):
+                # A diverged replica must not poison the swarm: drop it and restart from global.
+                log.warning(
+                    "non-finite local delta fragment=%d: not sent; fragment reset to global",
+                    fragment,
+                )
+                self.on_event({"event": "local_reset", "fragment": fragment})
+                self.load_global_into_model([fragment])
+                self.progress.c_tokens[fragment] = self.progress.c_steps[fragment] = 0
+                continue
+            tensors = compress.encode_tensors(self.codec, delta, self.feedback)
+            if self.config.sync.on_receive == "rebase":
+                self._shipped_local[fragment] = {n: t.clone() for n, t in local.items()}
+            item = InFlight(
+                future=Future(),
+                target_round=staged.base_round,
+                base_round=staged.base_round,
+                tokens=staged.tokens,
+                steps=staged.steps,
+                tensors=tensors,
             )
-            self.on_event({"event": "local_reset", "fragment": fragment})
-            self.load_global_into_model([fragment])
-            self.progress.c_tokens[fragment] = self.progress.c_steps[fragment] = 0
-            return
-        tensors = compress.encode_tensors(self.codec, delta, self.feedback)
-        if self.config.sync.on_receive == "rebase":
-            self._shipped_local[fragment] = {n: t.clone() for n, t in local.items()}
-        item = InFlight(
-            future=Future(),
-            target_round=base_round,
-            base_round=base_round,
-            tokens=self.progress.c_tokens[fragment],
-            steps=self.progress.c_steps[fragment],
-            tensors=tensors,
-        )
-        self._send(fragment, item)
+            self._send(fragment, item)
 
     def _send(self, fragment: int, item: InFlight) -> None:
         message = wire.Message(
@@ -255,6 +294,16 @@ class Learner:
         item.future = self.submit(fragment, item.target_round, frame)
         self.in_flight[fragment] = item
         self.progress.status = "syncing"
+        self.on_event(
+            {
+                "event": "shipped",
+                "fragment": fragment,
+                "round": item.target_round,
+                "base_round": item.base_round,
+                "tokens": item.tokens,
+                "steps": item.steps,
+            }
+        )
         log.info(
             "shipped fragment=%d round=%d base=%d tokens=%d bytes=%d",
             fragment,
@@ -400,6 +449,9 @@ class Learner:
     def load_global_into_model(self, fragments) -> None:
         """On receive: overwrite (default), rebase the progress since shipping, or mix."""
         mode, alpha = self.config.sync.on_receive, self.config.sync.mix_alpha
+        fragments = list(fragments)
+        self.send_staged(fragments)  # a staged delta is taken before its fragment changes
+        written = []
         for fragment in fragments:
             base_round, global_params = self.state.fragment_params(fragment)
             self.bases[fragment] = (base_round, global_params)
@@ -416,6 +468,8 @@ class Learner:
                     param.copy_(target + progress_since_ship)
                 else:
                     param.copy_(target)
+                written.append(name)
+        self.trainer.params_written(written)
 
     def evaluate_global(self) -> float:
         """Held-out loss of the global parameters (on a copy, the replica is untouched)."""
@@ -428,4 +482,5 @@ class Learner:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(saved[name])
+        self.trainer.params_written([])  # restored as they were: only XLA runs the copies now
         return loss

@@ -19,11 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from p2pdiloco import messages, wire
-from p2pdiloco.config import RunConfig
+from p2pdiloco.config import SyncConfig
+from p2pdiloco.contributions import seal_contribution
 from p2pdiloco.election import synchronizer_order
 from p2pdiloco.membership import Heartbeat, synchronizer_candidates
 from p2pdiloco.replica_sync import ReplicaSync
-from p2pdiloco.rounds import RoundRecord, decode_round_record
+from p2pdiloco.rounds import RoundRecord, open_record
 from p2pdiloco.transport.base import Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -67,14 +68,14 @@ class LearnerLink:
         self,
         transport: Transport,
         run: str,
-        config: RunConfig,
+        sync: SyncConfig,
         replicas: ReplicaSync,
         members: Callable[[], dict[str, Heartbeat]],
         limits: wire.WireLimits,
     ) -> None:
         self.transport = transport
         self.run = run
-        self.config = config
+        self.sync = sync
         self.replicas = replicas
         self.members = members
         self.limits = limits
@@ -84,7 +85,7 @@ class LearnerLink:
     def call_timeout_s(self) -> float:
         """A live synchronizer answers by its deadline plus grace, merge and commit time;
         only a dead or frozen one runs past this (then: failover)."""
-        sync = self.config.sync
+        sync = self.sync
         return sync.round_deadline_s + sync.max_grace_s + 30.0
 
     @property
@@ -95,7 +96,7 @@ class LearnerLink:
     def candidates(self, round_id: int, fragment: int) -> list[str]:
         """Failover order of synchronizers for (round, fragment) in this peer's view."""
         return synchronizer_order(
-            self.run, round_id, fragment, synchronizer_candidates(self.members())
+            self.run, round_id, fragment, synchronizer_candidates(self.members(), self.replicas.may_synchronize)
         )
 
     async def contribute(self, fragment: int, target_round: int, frame: bytes) -> Outcome:
@@ -124,7 +125,7 @@ class LearnerLink:
                 raw = await self.transport.call(
                     candidate,
                     f"{self.run}.{messages.RPC_CONTRIBUTE}",
-                    frame,
+                    seal_contribution(self.transport.identity, self.run, frame),
                     timeout_s=self.call_timeout_s,
                     max_response_bytes=1 << 20,
                 )
@@ -141,9 +142,9 @@ class LearnerLink:
                 frame = with_unreachable(frame, unreachable, self.limits)
                 continue
             self.bytes_received += len(raw)
-            reply = wire.decode_message(raw, self.limits)
-            if isinstance(reply, wire.Rejected) or reply.kind != messages.CONTRIBUTE_REPLY:
-                reason = reply.reason if isinstance(reply, wire.Rejected) else f"unexpected {reply.kind}"
+            reply = messages.decode_reply(raw, self.limits, self.run)
+            if isinstance(reply, wire.Rejected):
+                reason = reply.reason
                 log.warning("bad reply peer=%s reason=%r", candidate[-8:], reason)
                 continue
             status = reply.meta["status"]
@@ -155,7 +156,9 @@ class LearnerLink:
                     moves += 1
                     pending = [moved_to, *(p for p in pending if p != moved_to)]
                 continue
-            record = decode_round_record(reply.meta["record"]) if "record" in reply.meta else None
+            record = open_record(self.run, reply.meta["record"]) if "record" in reply.meta else None
+            if record is not None and not self.replicas.entitled(record):
+                record = None
             if status in (messages.MERGED, messages.LATE):
                 if record is not None and (record.round, record.fragment) == (target_round, fragment):
                     await self.replicas.apply_committed(record)

@@ -6,12 +6,17 @@ RPCs (each request and reply is one `wire` frame, moved in bounded chunks):
     hold_update  synchronizer -> peer     OUTER_UPDATE        -> CONTRIBUTE_REPLY(held)
     get_update   peer -> peer             UPDATE_REQUEST      -> OUTER_UPDATE or CONTRIBUTE_REPLY(missing)
     get_state    joiner -> peer           STATE_REQUEST       -> STATE_REPLY (one fragment)
+    get_contributions  auditor -> synchronizer  [round, fragment] -> signed contributions
 
 DHT records: heartbeats (see `membership`) and round records (see `rounds`).
+
+`decode_reply` and `parse_contributors` turn untrusted replies into a `wire.Message` or a
+`wire.Rejected(reason)`; they never raise.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from p2pdiloco import wire
@@ -21,6 +26,7 @@ RPC_CONTRIBUTE = "contribute"
 RPC_GET_UPDATE = "get_update"
 RPC_GET_STATE = "get_state"
 RPC_HOLD_UPDATE = "hold_update"
+RPC_GET_CONTRIBUTIONS = "get_contributions"
 
 CONTRIBUTE_REPLY = "contribute_reply"
 """synchronizer -> learner: status of a contribution, with the round's update if closed."""
@@ -38,6 +44,11 @@ BEHIND = "behind"  # the synchronizer is behind the learner's round; try the nex
 MOVED = "moved"  # a better-placed synchronizer is live (named in moved_to): resend there
 MISSING = "missing"  # (get_update) this peer does not keep that update
 HELD = "held"  # (hold_update) the update is kept here, to serve once its round is committed
+STATUSES = frozenset({MERGED, LATE, NO_QUORUM, REJECTED, BEHIND, MOVED, MISSING, HELD})
+"""Every status a CONTRIBUTE_REPLY may carry."""
+
+MAX_CONTRIBUTORS = 1 << 16
+"""Most contributors one update or reply may list."""
 
 register_kind(
     MessageKind(
@@ -52,6 +63,7 @@ register_kind(
             "digest": "str",
             "record": "bytes",
         },
+        bounds={"weight": (0.0, math.inf)},
     )
 )
 register_kind(
@@ -85,3 +97,54 @@ def reply(
         tensors=tensors or {},
     )
     return wire.encode_message(message)
+
+
+def parse_contributors(value: Any) -> tuple[tuple[str, float, int], ...] | wire.Rejected:
+    """`[[peer, weight, tokens], ...]` from a message's meta, types checked and not coerced."""
+    if not isinstance(value, list | tuple) or len(value) > MAX_CONTRIBUTORS:
+        return wire.Rejected(f"contributors must be a list of at most {MAX_CONTRIBUTORS}")
+    out = []
+    for entry in value:
+        if not isinstance(entry, list | tuple) or len(entry) != 3:
+            return wire.Rejected("a contributor must be [peer, weight, tokens]")
+        peer, weight, tokens = entry
+        if not isinstance(peer, str) or not 0 < len(peer) <= wire.MAX_NAME_CHARS:
+            return wire.Rejected("a contributor's peer must be a non-empty string")
+        if (
+            isinstance(weight, bool)
+            or not isinstance(weight, int | float)
+            or not 0.0 <= weight < math.inf  # NaN fails this too
+        ):
+            return wire.Rejected("a contributor's weight must be a finite number >= 0")
+        if (
+            isinstance(tokens, bool)
+            or not isinstance(tokens, int)
+            or not 0 <= tokens <= wire.MAX_COUNT
+        ):
+            return wire.Rejected(f"a contributor's tokens must be an int in [0, {wire.MAX_COUNT}]")
+        out.append((peer, float(weight), tokens))
+    return tuple(out)
+
+
+def decode_reply(
+    raw: Any, limits: wire.WireLimits, run: str | None = None
+) -> wire.Message | wire.Rejected:
+    """A CONTRIBUTE_REPLY frame (of `run`, when given) with a known status; never raises."""
+    msg = wire.decode_message(raw, limits)
+    if isinstance(msg, wire.Rejected):
+        return msg
+    if msg.kind != CONTRIBUTE_REPLY:
+        return wire.Rejected(f"expected a {CONTRIBUTE_REPLY}, got {msg.kind}")
+    if run is not None and msg.run != run:
+        return wire.Rejected(f"reply of another run {msg.run[:60]!r}")
+    status = msg.meta["status"]
+    if status not in STATUSES:
+        return wire.Rejected(f"unknown reply status {status[:40]!r}")
+    moved_to = msg.meta.get("moved_to")
+    if moved_to is not None and not 0 < len(moved_to) <= wire.MAX_NAME_CHARS:
+        return wire.Rejected("moved_to must name a peer")
+    if "contributors" in msg.meta:
+        contributors = parse_contributors(msg.meta["contributors"])
+        if isinstance(contributors, wire.Rejected):
+            return contributors
+    return msg

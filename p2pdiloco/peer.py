@@ -22,8 +22,9 @@ import torch
 
 from p2pdiloco import __version__, wire
 from p2pdiloco.addressbook import initial_peers_with_fallback, load_addresses, remember_addresses
+from p2pdiloco.audit import Auditor
 from p2pdiloco.checkpoint import load_learner, save_learner
-from p2pdiloco.config import RunConfig, config_hash
+from p2pdiloco.config import PeerConfig, RunConfig, config_hash
 from p2pdiloco.data import Corpus, heldout_batches, learner_batches
 from p2pdiloco.errors import ConfigError, NetworkSetupError
 from p2pdiloco.events import EventSink
@@ -31,76 +32,18 @@ from p2pdiloco.faults import SplitView, crash_hook, faulty_contribute
 from p2pdiloco.fragments import partition_fragments
 from p2pdiloco.learner import Learner
 from p2pdiloco.learner_link import LearnerLink, Outcome
-from p2pdiloco.membership import Heartbeat, learners, live_members, members_key
+from p2pdiloco.membership import Heartbeat, learners, live_members, members_key, seal_heartbeat
 from p2pdiloco.model import build_model
+from p2pdiloco.ranks import RankGroup, follow_lead, join_ranks
+from p2pdiloco.record_rules import RunRecordRules
 from p2pdiloco.replica_sync import ReplicaSync
 from p2pdiloco.state import GlobalState
 from p2pdiloco.synchronizer import Synchronizer
 from p2pdiloco.train import InnerTrainer, resolve_device
 from p2pdiloco.transport.base import Transport, TransportError
+from p2pdiloco.trust import Admission
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PeerOptions:
-    """How this peer joins (per peer, unlike the run config every peer shares)."""
-
-    run: str = "local"
-    """Run name: the namespace of every DHT key and RPC."""
-    initial_peers: tuple[str, ...] = ()
-    """Multiaddrs to bootstrap from (empty: this peer starts a new DHT)."""
-    host: str = "127.0.0.1"
-    """Listen address."""
-    port: int = 0
-    """Listen port (0: any free port)."""
-    announce_maddrs: tuple[str, ...] = ()
-    """Addresses to announce instead of the listen ones (public IP behind port forwarding)."""
-    client_mode: bool = False
-    """Behind NAT: only outgoing connections; never elected synchronizer."""
-    identity_path: str | None = None
-    """Ed25519 key file: the peer id survives restarts."""
-    data_rank: int | None = None
-    """This peer's data shard (None: derived from the peer id)."""
-    data_shards: int = 1
-    """Number of data shards the run is split into (1: every peer reads all, in its own order)."""
-    heartbeat_s: float = 2.0
-    """Seconds between heartbeats; a peer silent for 4 heartbeats is gone."""
-    max_rounds: int | None = None
-    """Leave after every fragment reached this round (None: run until stopped)."""
-    max_steps: int | None = None
-    """Leave after this many inner steps."""
-    wait_peers: int = 0
-    """Start training only once this many learners (this one included) are live, so peers
-    started together begin together (0: start at once). Bounded by `wait_peers_timeout_s`."""
-    wait_peers_timeout_s: float = 300.0
-    """After this long the peer starts anyway (with a warning): a barrier never hangs a peer."""
-    eval_batches: int = 2
-    """Held-out batches evaluated after each round of fragment 0."""
-    events: bool = False
-    """Print one JSON line per event on stdout (tests and the demo read these)."""
-    startup_timeout_s: float = 120.0
-    """Bound on joining the DHT."""
-    checkpoint_dir: str | None = None
-    """Where the learner's local state is saved on leaving and restored on start."""
-    torch_threads: int = 0
-    """Threads for torch's CPU kernels (0: torch's default). Several peers on one machine
-    should use 1 each, or their busy-waiting thread pools starve one another."""
-    straggle_s: float = 0.0
-    """Fault injection (tests, benchmarks): delay contributions to early rounds by this much."""
-    straggle_rounds: int = 0
-    """Rounds (from 0) whose contributions are delayed by `straggle_s`."""
-    corrupt: str = ""
-    """Fault injection: send `nan` deltas or `garbage` frames to early rounds."""
-    corrupt_rounds: int = 0
-    """Rounds (from 0) whose contributions are corrupted."""
-    crash_at: str = ""
-    """Fault injection: `PHASE[:ROUND]`, die (SIGKILL) at that phase of a commit (see faults)."""
-    split_view_rounds: int = 0
-    """Fault injection: see only itself and ignore rival records for the first rounds
-    (forces two commits of one round; see faults.SplitView)."""
-    checkpoint_every_s: float = 60.0
-    """Seconds between periodic checkpoints while training (with `checkpoint_dir`)."""
 
 
 @dataclass
@@ -129,12 +72,18 @@ class PeerDaemon:
     def __init__(
         self,
         config: RunConfig,
-        options: PeerOptions,
         transport: Transport,
         on_progress: Callable[[str, int, int], None] = lambda phase, done, total: None,
+        admission: Admission | None = None,
+        certificates: tuple[bytes, ...] = (),
     ) -> None:
         self.config = config
-        self.options = options
+        self.admission = admission or Admission()
+        """Who may synchronize and learn in this run (from its manifest; open by default)."""
+        self.certificates = certificates
+        """This peer's operator certificates, shown in its heartbeats and round records."""
+        self.options = options = config.peer
+        """This peer's own settings (the `[peer]` section)."""
         self.transport = transport
         self.on_progress = on_progress
         """Long work reports here: (phase, done, total), phases `data` and `state`."""
@@ -147,6 +96,8 @@ class PeerDaemon:
         self.config_hash = config_hash(config)
         self.hook = crash_hook(options.crash_at, self.emit)
         self.parts: Parts | None = None
+        self.ranks: RankGroup | None = None
+        """The learner's other processes when torchrun started it (rank 0 talks to the swarm)."""
         self._members: dict[str, Heartbeat] = {}
         self._rejected_members: dict[str, str] = {}
         self._tasks: list[asyncio.Task] = []
@@ -165,6 +116,9 @@ class PeerDaemon:
 
     def run(self) -> int:
         """Join, train, leave. Returns an exit code (0: clean)."""
+        self.ranks = join_ranks(self.config.train.device)  # torchrun: one learner, N processes
+        if self.ranks is not None and not self.ranks.is_lead:
+            return follow_lead(self.ranks, self.config, self.options)  # steps only; no network
         self._loop_thread.start()
         try:
             self._on_loop(self.transport.start(), self.options.startup_timeout_s + 30)
@@ -187,8 +141,8 @@ class PeerDaemon:
             )
             parts.learner.run(
                 self.stop_event,
-                self.options.max_rounds,
-                self.options.max_steps,
+                self.options.max_rounds or None,
+                self.options.max_steps or None,
                 self.rounds_reached,
                 every_step=self._maybe_checkpoint,
             )
@@ -205,7 +159,7 @@ class PeerDaemon:
 
     def _build(self) -> Parts:
         config, options = self.config, self.options
-        device = resolve_device(config.train.device)
+        device = self.ranks.device if self.ranks else resolve_device(config.train.device)
         if options.torch_threads > 0:
             torch.set_num_threads(options.torch_threads)
         model = build_model(config.model.preset, seed=config.train.seed, max_seq_len=config.model.seq_len)
@@ -216,30 +170,38 @@ class PeerDaemon:
         peer_id = self.transport.peer_id
         rank = (
             options.data_rank
-            if options.data_rank is not None
+            if options.data_rank >= 0
             else int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "little")
         )
-        batches = learner_batches(
-            corpus, rank, options.data_shards, config.train.batch_size, config.model.seq_len, config.train.seed
-        )
+        if self.ranks is not None:  # this rank's part of the learner's shard (see ranks)
+            batches = self.ranks.batches(corpus, rank, options.data_shards, config)
+        else:
+            batches = learner_batches(
+                corpus, rank, options.data_shards, config.train.batch_size, config.model.seq_len, config.train.seed
+            )
         eval_set = (
             heldout_batches(corpus, options.eval_batches, config.train.batch_size, config.model.seq_len)
             if options.eval_batches
             else []
         )
-        trainer = InnerTrainer(model, config.train, device)
+        trainer = (
+            self.ranks.trainer(model, config.train) if self.ranks else InnerTrainer(model, config.train, device)
+        )
         split = SplitView(options.split_view_rounds, lambda: self.transport.peer_id, state.round_of)
         role_view = split.view(self.members) if options.split_view_rounds else self.members
         replicas = ReplicaSync(
             self.transport, options.run, state, self.members, self.limits, self.worker,
             void_after_s=config.sync.round_deadline_s, on_event=self.emit,
-            rivals_visible=split.rivals_visible,
+            rivals_visible=split.rivals_visible, admission=self.admission,
+            audit_share=config.sync.audit_share,
         )
         synchronizer = Synchronizer(
             self.transport, options.run, config, state, role_view, self.limits, replicas,
             self.worker, hook=self.hook, on_event=self.emit, rivals_visible=split.rivals_visible,
+            certificates=self.certificates, screening_rules=config.screening,
         )
-        link = LearnerLink(self.transport, options.run, config, replicas, role_view, self.limits)
+        replicas.auditor = Auditor(options.run, config, self.limits, state.fragments)
+        link = LearnerLink(self.transport, options.run, config.sync, replicas, role_view, self.limits)
         contribute = faulty_contribute(
             link.contribute, options.straggle_s, options.straggle_rounds, options.corrupt, options.corrupt_rounds
         )
@@ -335,9 +297,8 @@ class PeerDaemon:
             return
         seen = {}
         for peer, beat in self._members.items():
-            listed = beat.extra.get("maddrs") if isinstance(beat.extra, dict) else None
-            if peer != self.transport.peer_id and isinstance(listed, list):
-                seen[peer] = [a for a in listed[:8] if isinstance(a, str)]
+            if peer != self.transport.peer_id:
+                seen[peer] = list(beat.maddrs)
         remember_addresses(directory, {p: a for p, a in seen.items() if a}, time.time())
         self.emit({"event": "checkpoint_saved", "path": str(path), "step": learner.progress.step})
 
@@ -403,7 +364,8 @@ class PeerDaemon:
             bytes_received=(progress.bytes_received + parts.link.bytes_received) if progress else 0,
             software=f"p2pdiloco/{__version__}",
             config_hash=self.config_hash,
-            extra={"maddrs": self.transport.visible_maddrs()[:8]} if not self.options.client_mode else {},
+            certificates=self.certificates,
+            maddrs=() if self.options.client_mode else tuple(self.transport.visible_maddrs()[:8]),
         )
 
     # --- heartbeats and replica sync --------------------------------------------------------
@@ -413,9 +375,10 @@ class PeerDaemon:
         now = self.transport.now()
         ttl = 4 * self.options.heartbeat_s
         key = members_key(self.options.run)
-        await self.transport.store(key, self.transport.peer_id, self._own_heartbeat().encode(), now + ttl)
+        sealed = seal_heartbeat(self.transport.identity, self.options.run, self._own_heartbeat())
+        await self.transport.store(key, self.transport.peer_id, sealed, now + ttl)
         records = await self.transport.get(key)
-        live, rejected = live_members(records, self.transport.now(), self.config_hash)
+        live, rejected = live_members(self.options.run, records, self.transport.now(), self.config_hash)
         for subkey, reason in rejected.items():
             if subkey not in self._rejected_members:
                 log.warning("ignored member subkey=%s reason=%r", subkey[-8:], reason)
@@ -441,6 +404,10 @@ class PeerDaemon:
 
     async def _sync_all(self) -> None:
         replicas = self._parts().replicas
+        try:
+            await asyncio.wait_for(replicas.check_notices(), 300)
+        except (TimeoutError, TransportError) as exc:
+            log.warning("fraud notice check failed error=%r", exc)
         for fragment in range(self._parts().state.num_fragments):
             try:
                 await asyncio.wait_for(replicas.sync_fragment(fragment), 300)
@@ -483,8 +450,9 @@ class PeerDaemon:
             self.on_progress("state", fragment + 1, parts.state.num_fragments)
 
 
-def make_transport_for(options: PeerOptions) -> Transport:
-    """The hivemind transport for these options (imported lazily)."""
+def make_transport_for(options: PeerConfig, rules: RunRecordRules | None = None) -> Transport:
+    """The hivemind transport for a peer's `[peer]` settings (imported lazily), whose DHT
+    node stores and believes only records that pass the run's `rules`."""
     from p2pdiloco.transport import make_transport
 
     initial = list(options.initial_peers)
@@ -498,9 +466,12 @@ def make_transport_for(options: PeerOptions) -> Transport:
             host=options.host,
             port=options.port,
             client_mode=options.client_mode,
-            identity_path=options.identity_path,
+            identity_path=options.identity_path or None,
             announce_maddrs=list(options.announce_maddrs) or None,
             startup_timeout_s=options.startup_timeout_s,
+            record_rules=rules,
+            # A contribute call stays open until its window closes: room for every fragment.
+            max_per_caller=max(8, 2 * (rules.num_fragments if rules else 1) + 2),
         )
     except (ValueError, TypeError) as exc:
         raise NetworkSetupError(f"cannot set up the transport: {exc}") from None

@@ -19,13 +19,32 @@ round is retried on the next heartbeat.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import random
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from p2pdiloco import compress, messages, wire
+from p2pdiloco.audit import (
+    MISMATCH,
+    NOTICE_TTL_S,
+    OK,
+    UNVERIFIABLE,
+    Auditor,
+    AuditResult,
+    FraudNotice,
+    notice_subkey,
+    notices_key,
+    open_notice,
+    seal_notice,
+)
+from p2pdiloco.contributions import decode_contribution_list, encode_audit_request
 from p2pdiloco.membership import Heartbeat, synchronizer_candidates
+from p2pdiloco.ratelimit import RateLimiter
 from p2pdiloco.rounds import RoundRecord, canonical_chain, records_of, rounds_key
 from p2pdiloco.state import (
     FragmentState,
@@ -33,8 +52,10 @@ from p2pdiloco.state import (
     PreparedUpdate,
     import_verified,
     install_update,
+    prepare_update,
 )
 from p2pdiloco.transport.base import Transport, TransportError
+from p2pdiloco.trust import Admission
 from p2pdiloco.updates import Update, UpdateStore, parse_update
 
 log = logging.getLogger(__name__)
@@ -63,11 +84,24 @@ class ReplicaSync:
         void_after_s: float,
         on_event: Callable[[dict], None] = lambda event: None,
         rivals_visible: Callable[[int], bool] = lambda round_id: True,
+        admission: Admission | None = None,
+        auditor: Auditor | None = None,
+        audit_share: float = 0.0,
     ) -> None:
         self.transport = transport
         self.rivals_visible = rivals_visible
         """Whether records of others are followed at a round (off only under the
         split-view fault injection, which makes this peer commit a round alone)."""
+        self.admission = admission or Admission()
+        self.auditor = auditor
+        self.state_limiter = RateLimiter(rate_per_s=1 / 30, burst=2 * state.num_fragments + 2)
+        self.audit_share = audit_share
+        """Share of other synchronizers' rounds this peer recomputes before applying."""
+        self.banned: dict[str, int] = {}
+        """Synchronizers proven to have published a false merge, with the round of the
+        first proven lie: not elected again, and none of their records from then on count
+        (earlier ones were applied and checked like any other)."""
+        self._notices_seen: set[str] = set()
         self.run = run
         self.state = state
         self.members = members
@@ -165,7 +199,14 @@ class ReplicaSync:
         return update.frame
 
     async def rpc_get_state(self, caller: str, request: bytes) -> bytes:
-        """One fragment's global parameters and optimizer state, for a joining peer."""
+        """One fragment's global parameters and optimizer state, for a joining peer.
+
+        Rate-limited per caller: a small request costs ~8 bytes a parameter to answer."""
+        if not self.state_limiter.allow(caller):
+            log.warning("rpc_rejected reason=rate_limited name=get_state caller=%s", caller[-8:])
+            return messages.reply(
+                self.run, 0, 0, self.transport.peer_id, messages.REJECTED, reason="get_state rate limited"
+            )
         msg = self._small_request(request, wire.STATE_REQUEST)
         if isinstance(msg, bytes):
             return msg
@@ -191,12 +232,32 @@ class ReplicaSync:
             )
         )
 
+    # --- who is entitled -----------------------------------------------------------------
+
+    def may_synchronize(self, beat: Heartbeat) -> bool:
+        """Whether the run entitles this live peer to be elected synchronizer."""
+        if beat.peer_id in self.banned:
+            return False
+        refusal = self.admission.synchronizer_refusal(
+            self.run, beat.peer_id, beat.certificates, self.transport.now()
+        )
+        return refusal is None
+
+    def entitled(self, record: RoundRecord) -> bool:
+        """Whether the run entitled the record's synchronizer to commit it."""
+        if record.round >= self.banned.get(record.synchronizer, record.round + 1):
+            return False
+        refusal = self.admission.synchronizer_refusal(
+            self.run, record.synchronizer, record.certificates, record.closed_at
+        )
+        return refusal is None
+
     # --- reading the chain --------------------------------------------------------------
 
     async def read_chain(self, fragment: int) -> dict[int, RoundRecord]:
         """The canonical chain of `fragment` from the DHT records (bounded by the transport)."""
         raw = await self.transport.get(rounds_key(self.run, fragment))
-        records = records_of(raw, fragment).values()
+        records = records_of(self.run, raw, fragment, self.entitled).values()
         chain = canonical_chain(self.run, records, self.genesis[fragment], frozenset(self.void))
         self.chains[fragment] = chain
         return chain
@@ -226,6 +287,8 @@ class ReplicaSync:
 
     def _on_canonical_branch(self, fragment: int, chain: dict[int, RoundRecord]) -> bool:
         """True unless some round this replica applied differs from the chain's record."""
+        if any(digest in self.void for digest in self.applied[fragment].values()):
+            return False  # we applied an update since proven false
         ours = self.state.applied_hashes[fragment]
         for round_id, record in chain.items():
             if round_id in ours and ours[round_id] != record.hash:
@@ -283,9 +346,15 @@ class ReplicaSync:
         update = await self._fetch(record)
         if update is None:
             return False
+        if self._should_audit(record):
+            snapshot = self.state.export_fragment(record.fragment)
+            result = await self._audit(record, snapshot)
+            if result.verdict == MISMATCH:
+                await self._convict(record, result.reason)
+                return False
         loop = asyncio.get_running_loop()
         try:
-            new_hash = await loop.run_in_executor(self.worker, self._apply, update)
+            new_hash = await loop.run_in_executor(self.worker, self._apply, update, record.hash)
         except ValueError as exc:
             log.warning(
                 "update refused round=%d fragment=%d reason=%r", record.round, record.fragment, str(exc)
@@ -302,11 +371,152 @@ class ReplicaSync:
             return False
         return True
 
-    def _apply(self, update: Update) -> str:
-        """Decode and apply one update (worker thread)."""
+    def _apply(self, update: Update, expected_hash: str) -> str:
+        """Decode, check and apply one update (worker thread).
+
+        The result is computed on a copy first: an update with non-finite values or whose
+        result does not hash to its record's signed hash never touches the replica.
+        """
         if self.state.fragment_hash(update.fragment) != update.parent:
             raise ValueError("update's parent is not this replica's state")
-        return self.state.apply_update(update.fragment, update.round, update.decode())
+        decoded = update.decode()
+        if not all(bool(torch.isfinite(t).all()) for t in decoded.values()):
+            raise ValueError("update holds non-finite values")
+        prepared = prepare_update(self.state, update.fragment, update.round, decoded)
+        if prepared.hash != expected_hash:
+            raise ValueError("update's result does not match its record's signed hash")
+        if not install_update(self.state, prepared):
+            raise ValueError("replica moved during the update")
+        return prepared.hash
+
+    # --- audits ---------------------------------------------------------------------------
+
+    def _should_audit(self, record: RoundRecord) -> bool:
+        return (
+            self.auditor is not None
+            and record.synchronizer != self.transport.peer_id
+            and random.random() < self.audit_share
+        )
+
+    async def fetch_contributions(self, record: RoundRecord) -> list[bytes] | None:
+        """The signed contributions of `record`'s round, from its synchronizer (None: not served)."""
+        expected = len(record.contributions) + len(record.refused)
+        try:
+            raw = await self.transport.call(
+                record.synchronizer,
+                f"{self.run}.{messages.RPC_GET_CONTRIBUTIONS}",
+                encode_audit_request(record.round, record.fragment),
+                timeout_s=FETCH_TIMEOUT_S,
+                max_response_bytes=self.limits.max_frame_bytes,
+            )
+        except TransportError as exc:
+            log.info("contributions not served round=%d by=%s error=%r", record.round, record.synchronizer[-8:], exc)
+            return None
+        self.bytes_received += len(raw)
+        items = decode_contribution_list(raw, max(expected, 1), self.limits.max_frame_bytes)
+        return None if isinstance(items, str) else items
+
+    async def _audit(self, record: RoundRecord, snapshot: FragmentState) -> AuditResult:
+        """Recompute `record`'s merge on `snapshot` (its parent state); never raises."""
+        contributions = await self.fetch_contributions(record)
+        if contributions is None:
+            return AuditResult(UNVERIFIABLE, "contributions not served")
+        loop = asyncio.get_running_loop()
+        chain = dict(self.chains[record.fragment])
+        try:
+            result = await loop.run_in_executor(
+                self.worker, self.auditor.check, record, contributions, snapshot, chain
+            )
+        except Exception as exc:  # noqa: BLE001 - an audit fault is not an accusation
+            log.exception("audit failed round=%d fragment=%d", record.round, record.fragment)
+            return AuditResult(UNVERIFIABLE, f"audit fault: {exc}")
+        log.info(
+            "audit round=%d fragment=%d synchronizer=%s verdict=%s reason=%r",
+            record.round, record.fragment, record.synchronizer[-8:], result.verdict, result.reason,
+        )
+        self.on_event(
+            {"event": "audited", "fragment": record.fragment, "round": record.round,
+             "synchronizer": record.synchronizer, "verdict": result.verdict, "reason": result.reason}
+        )
+        return result
+
+    async def _convict(self, record: RoundRecord, reason: str) -> None:
+        """A proven false merge: never apply it, never trust its synchronizer, tell the run."""
+        log.error(
+            "false merge proven round=%d fragment=%d synchronizer=%s reason=%r",
+            record.round, record.fragment, record.synchronizer, reason,
+        )
+        self.void.add(record.digest)
+        self.banned[record.synchronizer] = min(record.round, self.banned.get(record.synchronizer, record.round))
+        self.chains[record.fragment].pop(record.round, None)
+        self.on_event(
+            {"event": "convicted", "fragment": record.fragment, "round": record.round,
+             "synchronizer": record.synchronizer, "reason": reason}
+        )
+        notice = FraudNotice(record.fragment, record.round, record.synchronizer, record.digest, self.transport.peer_id)
+        self._notices_seen.add(notice_subkey(record.fragment, record.round, notice.auditor))
+        await self.transport.store(
+            notices_key(self.run),
+            notice_subkey(record.fragment, record.round, notice.auditor),
+            seal_notice(self.transport.identity, self.run, notice),
+            self.transport.now() + NOTICE_TTL_S,
+        )
+
+    async def check_notices(self) -> None:
+        """Re-run the audit of every new fraud notice; act only on what we verify ourselves."""
+        if self.auditor is None:
+            return
+        raw = await self.transport.get(notices_key(self.run))
+        for subkey, (value, _expiration) in list(raw.items())[:64]:
+            if subkey in self._notices_seen:
+                continue
+            self._notices_seen.add(subkey)
+            notice = open_notice(self.run, subkey, value)
+            if isinstance(notice, str) or not 0 <= notice.fragment < len(self.chains):
+                continue
+            record = self.chains[notice.fragment].get(notice.round)
+            if record is None or record.digest != notice.digest or record.digest in self.void:
+                continue
+            snapshot = await self._parent_state(record, notice.auditor)
+            if snapshot is None:
+                log.warning("fraud notice round=%d by=%s: parent state unavailable, not verified", notice.round, notice.auditor[-8:])
+                continue
+            result = await self._audit(record, snapshot)
+            if result.verdict == MISMATCH:
+                await self._convict(record, f"verified notice of {notice.auditor[-8:]}: {result.reason}")
+                await self.sync_fragment(record.fragment)
+            elif result.verdict == OK:
+                log.warning("false fraud notice round=%d by=%s: the merge checks out", notice.round, notice.auditor[-8:])
+                self.on_event({"event": "false_notice", "round": notice.round, "auditor": notice.auditor})
+
+    async def _parent_state(self, record: RoundRecord, donor: str) -> FragmentState | None:
+        """The fragment's state at `record.parent`: ours if we are there, else the donor's
+        (the notifying auditor stopped there), verified by its hash on a scratch copy."""
+        fragment = record.fragment
+        if self.state.round_of(fragment) == record.round and self.parent_hash(fragment, record.round) == record.parent:
+            return self.state.export_fragment(fragment)
+        request = wire.encode_message(
+            wire.Message(kind=wire.STATE_REQUEST, run=self.run, round=record.round, fragment=fragment,
+                         meta={"peer": self.transport.peer_id})
+        )
+        try:
+            raw = await self.transport.call(
+                donor, f"{self.run}.{messages.RPC_GET_STATE}", request,
+                timeout_s=STATE_TIMEOUT_S, max_response_bytes=self.limits.max_frame_bytes,
+            )
+        except TransportError:
+            return None
+        loop = asyncio.get_running_loop()
+        state = await loop.run_in_executor(self.worker, self._parse_state, raw, fragment)
+        if state is None or state.hash != record.parent or state.round != record.round:
+            return None
+        names = self.state.fragments[fragment]
+        check = GlobalState({n: state.params[n] for n in names}, [list(names)], self.state.outer)
+        try:
+            local = await loop.run_in_executor(self.worker, check.import_fragment, dataclasses.replace(state, fragment=0))
+        except (ValueError, KeyError):
+            return None
+        return state if local == state.hash else None
 
     def _notify_settled(self, fragment: int, chain: dict[int, RoundRecord]) -> None:
         """Tell learners which record the DHT's canonical chain holds for each round this
@@ -462,7 +672,10 @@ class ReplicaSync:
         ):
             return None
         try:
-            tensors = compress.decode_tensors(msg.tensors)
+            expected = {f"{k}/{n}": shape for k in "pma" for n, shape in self.shapes[fragment].items()}
+            # every parameter and momentum tensor; the delayed-Nesterov sums only if sent
+            layout = {k: s for k, s in expected.items() if k in msg.tensors or not k.startswith("a/")}
+            tensors = compress.decode_tensors(msg.tensors, shapes=layout)
         except ValueError:
             return None
         parts: dict[str, dict] = {"p": {}, "m": {}, "a": {}}

@@ -16,14 +16,16 @@ to the winning chain; contributions merged only in a loser are sent again.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
 from p2pdiloco.election import rendezvous_score
+from p2pdiloco.identity import Identity, SealError, is_peer_id, peek, unseal
 
 MAX_RECORD_BYTES = 1 << 16
 """A round record larger than this is not one (bytes)."""
@@ -57,10 +59,23 @@ class RoundRecord:
     holders: tuple[str, ...] = ()
     """Peers besides the synchronizer that held the update before this record was written."""
     contributors: tuple[tuple[str, float, int], ...] = ()
-    """(peer id, merge weight, tokens) of every merged delta."""
+    """(peer id, merge weight, tokens) of every merged delta, in merge order."""
+    contributions: tuple[str, ...] = ()
+    """Digest of each contributor's signed contribution (aligned with `contributors`):
+    what an auditor fetches to recompute the merge."""
+    norms: tuple[float, ...] = ()
+    """Norm of each contributor's delta as merged (after clipping): the next rounds' history."""
+    refused: tuple[str, ...] = ()
+    """Digests of the window's contributions the screening refused (an audit redoes it)."""
+    history_from: int = -1
+    """First round of the chain whose norms and tokens the screening used (-1: none)."""
     grace_s: float = 0.0
     closed_at: float = 0.0
     """DHT time the round was committed."""
+    certificates: tuple[bytes, ...] = ()
+    """The synchronizer's operator certificates (a certified run admits no record without)."""
+    sealed: bytes = field(default=b"", compare=False, repr=False)
+    """The signed bytes this record was read from or sealed into (what is stored and sent)."""
 
     def encode(self) -> bytes:
         return msgpack.packb(
@@ -73,8 +88,13 @@ class RoundRecord:
                 "digest": self.digest,
                 "holders": list(self.holders),
                 "contributors": [list(c) for c in self.contributors],
+                "contributions": list(self.contributions),
+                "norms": list(self.norms),
+                "refused": list(self.refused),
+                "history_from": self.history_from,
                 "grace_s": self.grace_s,
                 "closed_at": self.closed_at,
+                "certificates": list(self.certificates),
             },
             use_bin_type=True,
         )
@@ -101,9 +121,22 @@ def _count(value: Any) -> int:
     return value
 
 
+def _round_or_none(value: Any) -> int:
+    """A round number, or -1 for none."""
+    if value == -1 and isinstance(value, int) and not isinstance(value, bool):
+        return -1
+    return _count(value)
+
+
 def _str(value: Any, limit: int = 256) -> str:
     if not isinstance(value, str) or len(value) > limit:
         raise ValueError("not a short string")
+    return value
+
+
+def _blob(value: Any, limit: int = 1024) -> bytes:
+    if not isinstance(value, bytes) or len(value) > limit:
+        raise ValueError("not a short byte string")
     return value
 
 
@@ -140,22 +173,62 @@ def decode_round_record(raw: bytes) -> RoundRecord | None:
             digest=_str(data.get("digest", "")),
             holders=tuple(_str(p) for p in _peers(data.get("holders", []))),
             contributors=tuple(contributors),
+            contributions=tuple(_str(d, 64) for d in _peers(data.get("contributions", []))),
+            norms=tuple(_number(n) for n in _peers(data.get("norms", []))),
+            refused=tuple(_str(d, 64) for d in _peers(data.get("refused", []))),
+            history_from=_round_or_none(data.get("history_from", -1)),
             grace_s=_number(data["grace_s"]),
             closed_at=_number(data["closed_at"]),
+            certificates=tuple(_blob(c) for c in _peers(data.get("certificates", []))[:4]),
         )
     except Exception:  # noqa: BLE001 - untrusted bytes
         return None
 
 
+def record_domain(run: str) -> str:
+    return f"round/{run}"
+
+
+def seal_record(identity: Identity, run: str, record: RoundRecord) -> bytes:
+    """The record as stored and sent: signed by its synchronizer (who must be `identity`)."""
+    if record.synchronizer != identity.peer_id:
+        raise ValueError("a round record is signed by its own synchronizer")
+    return identity.seal(record_domain(run), record.encode())
+
+
+def signed_record(identity: Identity, run: str, record: RoundRecord) -> RoundRecord:
+    """`record` carrying its own signed bytes (`record.sealed`)."""
+    return dataclasses.replace(record, sealed=seal_record(identity, run, record))
+
+
+def open_record(run: str, sealed: object) -> RoundRecord | None:
+    """The record in `sealed` if its synchronizer signed it for `run`, else None (never raises)."""
+    try:
+        record = decode_round_record(peek(sealed, MAX_RECORD_BYTES + 128))
+        if record is None or not is_peer_id(record.synchronizer):
+            return None
+        unseal(record.synchronizer, record_domain(run), sealed, MAX_RECORD_BYTES + 128)
+    except SealError:
+        return None
+    return dataclasses.replace(record, sealed=bytes(sealed))
+
+
 def records_of(
-    raw_records: Mapping[str, tuple[bytes, float]], fragment: int
+    run: str,
+    raw_records: Mapping[str, tuple[bytes, float]],
+    fragment: int,
+    entitled: Callable[[RoundRecord], bool] | None = None,
 ) -> dict[tuple[int, str], RoundRecord]:
-    """Well-formed records of `fragment` stored under their own subkey, by (round, synchronizer)."""
+    """Signed, well-formed records of `fragment` under their own subkey, by (round, synchronizer).
+
+    With `entitled`, records of synchronizers the run does not entitle are dropped too.
+    """
     out: dict[tuple[int, str], RoundRecord] = {}
     for subkey, (raw, _expiration) in raw_records.items():
-        record = decode_round_record(raw)
+        record = open_record(run, raw)
         if (
             record is not None
+            and (entitled is None or entitled(record))
             and record.fragment == fragment
             and subkey == record_subkey(record.round, record.synchronizer)
         ):

@@ -270,6 +270,18 @@ def prepare_update(
     return PreparedUpdate(fragment, round_id, snapshot.hash, new_hash, scratch)
 
 
+def hash_after(
+    snapshot: FragmentState, names: list[str], outer: OuterConfig, outer_grad: Mapping[str, torch.Tensor]
+) -> str:
+    """The hash a fragment at `snapshot` has after applying `outer_grad` (on a scratch copy).
+
+    What an auditor compares with a round record; ValueError as `apply_update`.
+    """
+    scratch = GlobalState({n: snapshot.params[n] for n in names}, [list(names)], outer)
+    scratch.import_fragment(dataclasses.replace(snapshot, fragment=0))
+    return scratch.apply_update(0, snapshot.round, outer_grad)
+
+
 def install_update(state: GlobalState, prepared: PreparedUpdate) -> bool:
     """Swap a prepared result into `state` if it is still at the prepared parent; True if so."""
     with state.lock:

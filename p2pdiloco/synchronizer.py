@@ -28,15 +28,21 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import torch
-
 from p2pdiloco import compress, messages, wire
 from p2pdiloco.config import RunConfig
+from p2pdiloco.contributions import (
+    ContributionStore,
+    contribution_digest,
+    decode_audit_request,
+    encode_contribution_list,
+    open_contribution,
+)
 from p2pdiloco.election import synchronizer_order
 from p2pdiloco.membership import Heartbeat, learners, synchronizer_candidates
-from p2pdiloco.outer import merge, tensor_norm, token_weights
+from p2pdiloco.merging import history_of, max_tokens_per_step, merge_round
 from p2pdiloco.replica_sync import ReplicaSync
-from p2pdiloco.rounds import RoundRecord, record_subkey, records_of, rounds_key
+from p2pdiloco.rounds import RoundRecord, record_subkey, records_of, rounds_key, signed_record
+from p2pdiloco.screening import Candidate, ScreeningRules
 from p2pdiloco.state import GlobalState, prepare_update
 from p2pdiloco.transport.base import Transport, TransportError
 from p2pdiloco.updates import Update, build_update_frame, parse_update
@@ -48,7 +54,6 @@ from p2pdiloco.windows import (
     Wait,
     WindowMachine,
     clamp_tokens,
-    norm_outliers,
     staleness_rejection,
 )
 
@@ -56,8 +61,6 @@ log = logging.getLogger(__name__)
 
 ROUND_RECORD_TTL_S = 3600.0
 """How long round records stay in the DHT, seconds."""
-MAX_BATCH_MULTIPLE = 4
-"""A learner may claim up to this many times the run's tokens per step (bigger batches)."""
 HOLD_TIMEOUT_S = 20.0
 """Deadline for the holders to take an update before the round is given up, seconds."""
 
@@ -74,12 +77,14 @@ class Window:
     """An open (round, fragment): the pure machine plus the decoded deltas and waiters."""
 
     machine: WindowMachine
-    deltas: dict[str, tuple[int, dict[str, torch.Tensor]]] = field(default_factory=dict)
-    """peer -> (base round, decoded delta)."""
+    candidates: dict[str, Candidate] = field(default_factory=dict)
+    """peer -> its decoded delta with its signed claims (tokens, steps, staleness)."""
     waiters: dict[str, asyncio.Future] = field(default_factory=dict)
     arrival: asyncio.Event = field(default_factory=asyncio.Event)
     unreachable: set[str] = field(default_factory=set)
     """Better-placed synchronizers its learners could not reach (failover): not moved to."""
+    sealed: dict[str, bytes] = field(default_factory=dict)
+    """peer -> its signed contribution, as received (kept for auditors once committed)."""
 
     @property
     def key(self) -> tuple[int, int]:
@@ -108,8 +113,12 @@ class Synchronizer:
         hook: Hook = no_hook,
         on_event: Callable[[dict], None] = lambda event: None,
         rivals_visible: Callable[[int], bool] = lambda round_id: True,
+        certificates: tuple[bytes, ...] = (),
+        screening_rules: ScreeningRules | None = None,
     ) -> None:
         self.transport = transport
+        self.certificates = certificates
+        """This peer's operator certificates, shown in its round records."""
         self.rivals_visible = rivals_visible
         """Whether this peer looks for rival records of a round (off only under the
         split-view fault injection, to force two commits of one round in tests)."""
@@ -127,13 +136,11 @@ class Synchronizer:
         self.step_time = RunningMean()
         self.sync_time = RunningMean()
         self.num_rejected = 0
-        self.max_tokens_per_step = (
-            config.train.batch_size
-            * config.train.grad_accum
-            * config.model.seq_len
-            * MAX_BATCH_MULTIPLE
-        )
+        self.max_tokens_per_step = max_tokens_per_step(config)
         self._tasks: set[asyncio.Task] = set()
+        self.screening_rules = screening_rules or ScreeningRules()
+        self.kept = ContributionStore()
+        """Signed contributions of the rounds this peer committed, served to auditors."""
 
     @property
     def peer_id(self) -> str:
@@ -145,8 +152,21 @@ class Synchronizer:
 
     async def start(self) -> None:
         await self.transport.register_handler(
-            f"{self.run}.{messages.RPC_CONTRIBUTE}", self.rpc_contribute, self.limits.max_frame_bytes
+            f"{self.run}.{messages.RPC_CONTRIBUTE}", self.rpc_contribute, self.limits.max_frame_bytes + 256
         )
+        await self.transport.register_handler(
+            f"{self.run}.{messages.RPC_GET_CONTRIBUTIONS}", self.rpc_get_contributions, 256
+        )
+
+    async def rpc_get_contributions(self, caller: str, request: bytes) -> bytes:
+        """The signed contributions of a round this peer committed (for auditors)."""
+        asked = decode_audit_request(request)
+        if isinstance(asked, str):
+            raise ValueError(asked)
+        kept = self.kept.get(*asked)
+        if kept is None:
+            raise LookupError(f"contributions of round {asked[0]} fragment {asked[1]} are not kept here")
+        return encode_contribution_list(kept)
 
     async def shutdown(self) -> None:
         for window in list(self.windows.values()):
@@ -177,7 +197,13 @@ class Synchronizer:
 
     async def rpc_contribute(self, caller: str, request: bytes) -> bytes:
         """A learner's delta: validate it, add it to the open window, answer when it closes."""
-        msg = wire.decode_message(request, self.limits)
+        frame = open_contribution(self.run, caller, request, self.limits.max_frame_bytes + 256)
+        if isinstance(frame, str):
+            return self._reject(-1, -1, frame, caller)
+        refusal = self._learner_refusal(caller)
+        if refusal:
+            return self._reject(-1, -1, refusal, caller)
+        msg = wire.decode_message(frame, self.limits)
         if isinstance(msg, wire.Rejected):
             return self._reject(-1, -1, msg.reason, caller)
         if msg.kind != wire.CONTRIBUTION or msg.run != self.run:
@@ -209,7 +235,8 @@ class Synchronizer:
             if await self._committed_elsewhere(target, fragment):
                 return self._late_reply(target, fragment, "round already closed elsewhere")
         loop = asyncio.get_running_loop()
-        delta = await loop.run_in_executor(self.worker, wire.decode_tensors, msg)
+        layout = {n: tuple(self.state.params[n].shape) for n in self.state.fragments[fragment]}
+        delta = await loop.run_in_executor(self.worker, wire.decode_tensors, msg, layout)
         if isinstance(delta, wire.Rejected):
             return self._reject(target, fragment, delta.reason, caller)
         if self.state.round_of(fragment) != target:
@@ -223,18 +250,31 @@ class Synchronizer:
         if refusal:
             return self._reject(target, fragment, refusal, caller)
         window.unreachable |= unreachable
-        window.deltas[caller] = (base_round, delta)
+        window.candidates[caller] = Candidate(
+            caller, delta, int(msg.meta["tokens"]), steps, staleness=target - base_round
+        )
+        window.sealed[caller] = request
         waiter = loop.create_future()
         window.waiters[caller] = waiter
         window.arrival.set()
         log.info(
             "contribution peer=%s round=%d fragment=%d base=%d arrived=%d",
-            caller[-8:], target, fragment, base_round, len(window.deltas),
+            caller[-8:], target, fragment, base_round, len(window.candidates),
         )
         try:
             return await asyncio.wait_for(asyncio.shield(waiter), self.config.sync.round_deadline_s * 2)
         except TimeoutError:
             return self._status(target, fragment, messages.NO_QUORUM, reason="window did not close in time")
+
+    def _learner_refusal(self, caller: str) -> str | None:
+        """Why the run does not admit `caller`'s contributions (None: it does)."""
+        admission = self.replicas.admission
+        if admission.learners == "open":
+            return None
+        beat = self.members().get(caller)
+        certificates = beat.certificates if beat is not None else ()
+        refusal = admission.learner_refusal(self.run, caller, certificates, self.transport.now())
+        return f"learner not admitted: {refusal}" if refusal else None
 
     def elected_elsewhere(self, round_id: int, fragment: int, unreachable: set[str] = frozenset()) -> str | None:
         """The peer above us in the rendezvous order of (round, fragment), or None if we top it.
@@ -242,7 +282,7 @@ class Synchronizer:
         Peers a learner reported unreachable are skipped, so failover past a dead
         synchronizer whose heartbeat has not expired yet still finds a window here.
         """
-        candidates = set(synchronizer_candidates(self.members())) - unreachable
+        candidates = set(synchronizer_candidates(self.members(), self.replicas.may_synchronize)) - unreachable
         candidates.add(self.peer_id)
         top = synchronizer_order(self.run, round_id, fragment, candidates)[0]
         return None if top == self.peer_id else top
@@ -261,7 +301,7 @@ class Synchronizer:
         parent = self.replicas.parent_hash(fragment, round_id)
         return any(
             r.round == round_id and r.parent == parent
-            for r in records_of(raw, fragment).values()
+            for r in records_of(self.run, raw, fragment, self.replicas.entitled).values()
         )
 
     def _check_layout(self, fragment: int, msg: wire.Message) -> str | None:
@@ -279,7 +319,7 @@ class Synchronizer:
         record = self.replicas.committed(fragment, round_id)
         return self._status(
             round_id, fragment, messages.LATE, reason=reason,
-            record=record.encode() if record is not None else None,
+            record=record.sealed if record is not None and record.sealed else None,
         )
 
     # --- windows ------------------------------------------------------------------------
@@ -345,7 +385,7 @@ class Synchronizer:
     def _move(self, window: Window, moved_to: str) -> None:
         """Close a window without quorum, telling its learners where to resend."""
         m = window.machine
-        log.info("window moved round=%d fragment=%d to=%s arrived=%d", m.round, m.fragment, moved_to[-8:], len(window.deltas))
+        log.info("window moved round=%d fragment=%d to=%s arrived=%d", m.round, m.fragment, moved_to[-8:], len(window.candidates))
         self.on_event({"event": "window_moved", "round": m.round, "fragment": m.fragment, "to": moved_to})
         self._finish(window, self._moved_reply(m.round, m.fragment, moved_to))
 
@@ -361,39 +401,24 @@ class Synchronizer:
 
     # --- closing: merge, hold, commit, answer -------------------------------------------
 
-    def _screen(self, window: Window) -> tuple[list[str], dict[str, str]]:
-        """Peers whose deltas enter the merge, and the reason for each one left out."""
-        peers = list(window.deltas)
-        norms = [tensor_norm(window.deltas[p][1]) for p in peers]
-        outliers = norm_outliers(norms, self.config.sync.norm_outlier_factor)
-        kept, refused = [], {}
-        for peer, norm, outlier in zip(peers, norms, outliers, strict=True):
-            arrival = window.machine.arrivals[peer]
-            if outlier:
-                refused[peer] = f"delta norm {norm:.3g} is far from the others' median"
-            elif arrival.tokens <= 0 or arrival.steps <= 0:
-                refused[peer] = "contribution claims no work"
-            else:
-                kept.append(peer)
-        return kept, refused
-
     async def _commit(self, window: Window, grace_s: float) -> None:
         m = window.machine
         started = time.monotonic()
         await self.hook("after_quorum", m.round, m.fragment)
         loop = asyncio.get_running_loop()
-        kept, refused = await loop.run_in_executor(self.worker, self._screen, window)
+        merging = loop.run_in_executor(self.worker, self._merge, window, grace_s)
+        await self.hook("during_merge", m.round, m.fragment)
+        result, prepared, update, history_first = await merging
+        refused = result.screening.refused
         for peer, reason in refused.items():
             self._reject(m.round, m.fragment, reason, peer)
             waiter = window.waiters.get(peer)
             if waiter is not None and not waiter.done():
                 waiter.set_result(self._reply(window, messages.REJECTED, reason=reason))
+        kept = result.screening.kept
         if len(kept) < self.config.sync.min_quorum:
             self._finish(window, self._reply(window, messages.NO_QUORUM, reason="too few acceptable deltas"))
             return
-        merging = loop.run_in_executor(self.worker, self._merge, window, kept, grace_s)
-        await self.hook("during_merge", m.round, m.fragment)
-        prepared, update = await merging
         if update is None:
             self._finish(window, self._late_reply(m.round, m.fragment, "round closed during the merge"))
             return
@@ -412,9 +437,15 @@ class Synchronizer:
             digest=update.digest,
             holders=tuple(holders),
             contributors=update.contributors,
+            contributions=tuple(contribution_digest(window.sealed[v.peer]) for v in kept),
+            norms=tuple(v.merged_norm for v in kept),
+            refused=tuple(contribution_digest(window.sealed[p]) for p in sorted(refused)),
+            history_from=history_first,
             grace_s=grace_s,
             closed_at=self.transport.now(),
+            certificates=self.certificates,
         )
+        record = signed_record(self.transport.identity, self.run, record)
         if await self._committed_elsewhere(m.round, m.fragment):
             log.warning("rival record round=%d fragment=%d: not committing ours", m.round, m.fragment)
             self._finish(window, self._late_reply(m.round, m.fragment, "round committed elsewhere"))
@@ -422,7 +453,7 @@ class Synchronizer:
         stored = await self.transport.store(
             rounds_key(self.run, m.fragment),
             record_subkey(m.round, self.peer_id),
-            record.encode(),
+            record.sealed,
             self.transport.now() + ROUND_RECORD_TTL_S,
         )
         if not stored:
@@ -430,6 +461,7 @@ class Synchronizer:
             log.warning("round record not stored round=%d fragment=%d", m.round, m.fragment)
             self._finish(window, self._reply(window, messages.NO_QUORUM, reason="round record not stored"))
             return
+        self.kept.put(m.round, m.fragment, [window.sealed[c.peer] for c in result.candidates])
         await self.hook("after_record", m.round, m.fragment)
         await self.replicas.install_own(record, update, prepared)
         elapsed = time.monotonic() - started
@@ -451,9 +483,10 @@ class Synchronizer:
                 "holders": list(holders),
                 "grace_s": grace_s,
                 "hash": update.hash,
+                "clip_norm": result.screening.clip_norm,
             }
         )
-        reply = self._reply(window, messages.MERGED, digest=update.digest, record=record.encode())
+        reply = self._reply(window, messages.MERGED, digest=update.digest, record=record.sealed)
         self.windows.pop(window.key, None)
         for index, waiter in enumerate(window.waiters.values()):
             if not waiter.done():
@@ -461,44 +494,41 @@ class Synchronizer:
                 if index == 0:
                     await self.hook("after_first_reply", m.round, m.fragment)
 
-    def _merge(self, window: Window, kept: list[str], grace_s: float):
-        """Weights, merge, encode, and the result on a copy of the fragment (worker thread).
+    def _merge(self, window: Window, grace_s: float):
+        """Screen, weigh, merge, encode, and the result on a copy of the fragment (worker thread).
 
-        Returns (prepared state, update), or (None, None) when the replica moved past the
-        round meanwhile (a rival's update was applied).
+        Returns (merge, prepared state, update, first history round); prepared and update
+        are None when nothing was kept or the replica moved past the round meanwhile (a
+        rival's update was applied).
         """
-        m, outer = window.machine, self.config.outer
-        arrivals = [m.arrivals[p] for p in kept]
-        weights = token_weights(
-            [a.tokens for a in arrivals],
-            [a.steps for a in arrivals],
-            max_share=outer.max_weight_share,
-            staleness=[m.round - window.deltas[p][0] for p in kept],
-            staleness_discount=self.config.sync.staleness_discount,
+        m = window.machine
+        snapshot = self.state.export_fragment(m.fragment)
+        history, history_first = history_of(self.replicas.chains[m.fragment], m.round)
+        result = merge_round(
+            list(window.candidates.values()),
+            history=history,
+            params=snapshot.params,
+            momentum=snapshot.momentum,
+            outer=self.config.outer,
+            sync=self.config.sync,
+            rules=self.screening_rules,
+            max_tokens_per_step=self.max_tokens_per_step,
+            outer_codec=self.outer_codec,
         )
-        embeddings = frozenset(n for n in self.state.fragments[m.fragment] if n.startswith("embed."))
-        merged = merge(
-            outer.merge,
-            [window.deltas[p][1] for p in kept],
-            weights,
-            norm=outer.radial_norm,
-            plain_mean_names=embeddings,
-        )
-        encoded = {name: self.outer_codec.encode(t) for name, t in merged.items()}
-        # Every replica applies the *decoded* gradient, so the synchronizer does too.
-        decoded = {name: compress.decode_tensor(e) for name, e in encoded.items()}
+        if result.decoded is None or len(result.screening.kept) < self.config.sync.min_quorum:
+            return result, None, None, history_first
         try:
-            prepared = prepare_update(self.state, m.fragment, m.round, decoded)
+            prepared = prepare_update(self.state, m.fragment, m.round, result.decoded)
         except ValueError:
-            return None, None
-        contributors = [(p, float(w), a.tokens) for p, w, a in zip(kept, weights, arrivals, strict=True)]
+            return result, None, None, history_first
+        contributors = [(v.peer, float(v.weight), v.tokens) for v in result.screening.kept]
         frame = build_update_frame(
             self.run, m.round, m.fragment, self.peer_id, prepared.parent_hash, prepared.hash,
-            contributors, encoded, grace_s,
+            contributors, result.encoded, grace_s,
         )
         update = parse_update(frame, self.limits, self.run, self.replicas.shapes)
         assert not isinstance(update, wire.Rejected), update
-        return prepared, update
+        return result, prepared, update, history_first
 
     async def _hold(self, update: Update) -> list[str] | None:
         """Push the update to live learners until `commit_holders` keep it; None if too few.
@@ -528,10 +558,9 @@ class Synchronizer:
             except TransportError as exc:
                 log.info("hold failed peer=%s error=%r", peer[-8:], exc)
                 return
-            reply = wire.decode_message(raw, self.limits)
+            reply = messages.decode_reply(raw, self.limits, self.run)
             if (
                 not isinstance(reply, wire.Rejected)
-                and reply.kind == messages.CONTRIBUTE_REPLY
                 and reply.meta.get("status") == messages.HELD
                 and reply.meta.get("digest") == update.digest
             ):

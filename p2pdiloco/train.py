@@ -1,16 +1,23 @@
-"""The inner loop: AdamW with warm-up + cosine, clipping, accumulation, bf16 autocast on CUDA."""
+"""The inner loop: AdamW with warm-up + cosine, clipping, accumulation, bf16 autocast on CUDA.
+
+A step never waits for the device: the loss stays on it (summed there, read with
+`read_loss()` at log points), XLA gets one sync per step, and parameters leave for the
+host through `HostStager`. A learner over several processes replaces `loss_module` by
+its DDP wrapper (see `ranks`).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from p2pdiloco.config import TrainConfig
+from p2pdiloco.devices import HostStager, device_stats, sync_device
 from p2pdiloco.errors import DeviceError
 
 
@@ -38,12 +45,12 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("mps")
     if name == "xla":
         try:
-            import torch_xla.core.xla_model as xm  # imported only when asked for
+            import torch_xla  # imported only when asked for
         except ImportError:
             raise DeviceError(
                 "train.device=xla needs torch_xla: pip install 'p2pdiloco[tpu]'"
             ) from None
-        return xm.xla_device()
+        return torch_xla.device()
     raise DeviceError(f"unknown device {name!r}; choose auto, cpu, cuda, mps or xla")
 
 
@@ -72,12 +79,25 @@ def make_inner_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.A
 class StepResult:
     """What one inner step did."""
 
-    loss: float
-    """Mean training loss over the step's micro-batches, in nats."""
+    loss: torch.Tensor
+    """Mean training loss over the step's micro-batches (nats), a 0-dim tensor on the
+    training device: reading it waits for the device, so the loop reads `read_loss()`
+    at log points instead."""
     tokens: int
     """Tokens (predicted positions) processed."""
     lr: float
     """Learning rate used."""
+
+
+class LossOf(nn.Module):
+    """The model's training loss as a module's forward, so DDP can wrap it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.loss(tokens)
 
 
 class InnerTrainer:
@@ -89,12 +109,30 @@ class InnerTrainer:
         self.device = device
         self.optimizer = make_inner_optimizer(self.model, config)
         self.step_index = 0
+        self.loss_module: nn.Module = LossOf(self.model)
+        """forward(batch) -> loss; a multi-process learner puts its DDP wrapper here."""
+        self.host = HostStager(device)
+        """Copies fragments to host memory for shipping (pinned and async on CUDA)."""
+        self._loss_sum = self._zero()
+        self._loss_steps = 0
+
+    def _zero(self) -> torch.Tensor:
+        # Made on the host and moved, with one dimension: XLA turns a device-side constant
+        # or a moved 0-dim tensor into a constant of the next step's graph, which then
+        # differs from the others (one more graph to compile); device data does not.
+        return torch.zeros(1, dtype=torch.float32).to(self.device)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        # bf16 autocast on CUDA only: CPU autocast is slower than fp32 on most machines.
+        # bf16 autocast on CUDA only: CPU autocast is slower than fp32 on most machines,
+        # and on a TPU XLA already runs matmuls in bf16 by default.
         if self.device.type == "cuda":
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
+
+    def _grad_sync(self, last: bool) -> contextlib.AbstractContextManager:
+        # DDP: all-reduce gradients once per step, after the last micro-batch.
+        no_sync = getattr(self.loss_module, "no_sync", None)
+        return no_sync() if no_sync is not None and not last else contextlib.nullcontext()
 
     def step(self, batches: Iterator[torch.Tensor]) -> StepResult:
         """One optimizer step over `grad_accum` micro-batches drawn from `batches`."""
@@ -102,20 +140,52 @@ class InnerTrainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
-        total_loss, tokens = 0.0, 0
-        for _ in range(self.config.grad_accum):
+        accum = self.config.grad_accum
+        step_loss, tokens = None, 0
+        for index in range(accum):
             batch = next(batches).to(self.device, non_blocking=True)
-            with self._autocast():
-                loss = self.model.loss(batch)
-            (loss / self.config.grad_accum).backward()
-            total_loss += float(loss.detach())
+            with self._grad_sync(last=index == accum - 1):
+                with self._autocast():
+                    loss = self.loss_module(batch)
+                (loss / accum).backward()
+            step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
             tokens += batch.shape[0] * (batch.shape[1] - 1)
         if self.config.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        mean_loss = step_loss / accum
+        self._loss_sum = self._loss_sum + mean_loss.float()
+        self._loss_steps += 1
         self.step_index += 1
-        return StepResult(loss=total_loss / self.config.grad_accum, tokens=tokens, lr=lr)
+        sync_device(self.device)  # XLA: the whole step is one graph, run here
+        return StepResult(loss=mean_loss, tokens=tokens, lr=lr)
+
+    def read_loss(self) -> float | None:
+        """Mean training loss (nats) of the steps since the last read; None if none ran.
+
+        The one place the loss leaves the device: call it at log points, not every step.
+        """
+        if self._loss_steps == 0:
+            return None
+        mean = float(self._loss_sum.cpu()[0]) / self._loss_steps
+        self._loss_sum, self._loss_steps = self._zero(), 0
+        return mean
+
+    def params_written(self, names: Iterable[str]) -> None:
+        """Parameters `names` were written from outside a step (a received fragment, a
+        reset). XLA runs the writes now, as their own small graph; a multi-process learner
+        also sends them to its other ranks before the next step (see `ranks`)."""
+        sync_device(self.device)
+
+    def finish(self) -> dict | None:
+        """The loop is over: release helpers (other ranks); returns facts worth an event
+        (the device's final counters on an accelerator)."""
+        return self.device_stats() or None
+
+    def device_stats(self) -> dict[str, int]:
+        """Counters of the training device (see `devices.device_stats`)."""
+        return device_stats(self.device)
 
 
 @torch.no_grad()

@@ -5,6 +5,10 @@ OUTER_UPDATE frame whose meta names the parent hash, the resulting hash and the
 contributors. The frame's digest identifies it everywhere: round records name it,
 holders keep it, `get_update` serves it byte for byte, and every replica decodes the
 same bytes, so every replica applies the same bits.
+
+`parse_update` never raises: any input is an `Update` or a `wire.Rejected(reason)`, and
+tensor names and shapes are checked against the fragment layout before anything is
+decoded; `Update.decode` refuses NaN/Inf.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from p2pdiloco import compress, wire
+from p2pdiloco import compress, messages, wire
 
 MAX_KEPT_PER_FRAGMENT = 48
 """Update frames kept per fragment (committed and held), oldest dropped first."""
@@ -41,12 +45,9 @@ class Update:
     tensors: dict[str, compress.EncodedTensor]
 
     def decode(self) -> dict[str, torch.Tensor]:
-        """The outer gradient (heavy: call off the event loop). Raises ValueError if bad."""
-        decoded = compress.decode_tensors(self.tensors)
-        for name, tensor in decoded.items():
-            if not bool(torch.isfinite(tensor).all()):
-                raise ValueError(f"update tensor {name} is not finite")
-        return decoded
+        """The outer gradient (heavy: call off the event loop). ValueError if bad or not finite."""
+        shapes = {name: tuple(encoded.shape) for name, encoded in self.tensors.items()}
+        return compress.decode_tensors(self.tensors, shapes=shapes, finite=True)
 
 
 def build_update_frame(
@@ -86,7 +87,11 @@ def parse_update(
     run: str,
     shapes: list[dict[str, tuple[int, ...]]],
 ) -> Update | wire.Rejected:
-    """Validate an update frame against the run and the fragment layout (`shapes[f]`)."""
+    """Validate an update frame against the run and the fragment layout (`shapes[f]`).
+
+    Never raises: any input is an `Update` or the reason it is refused. Sizes are
+    checked against the layout here, before any tensor is decoded (`Update.decode`).
+    """
     msg = wire.decode_message(frame, limits)
     if isinstance(msg, wire.Rejected):
         return msg
@@ -99,23 +104,21 @@ def parse_update(
         return wire.Rejected(f"update tensors do not match fragment {msg.fragment}")
     for name, encoded in msg.tensors.items():
         if tuple(encoded.shape) != tuple(layout[name]):
-            return wire.Rejected(f"update tensor {name} has shape {tuple(encoded.shape)}")
+            return wire.Rejected(f"update tensor {name} has shape {tuple(encoded.shape)[:8]}")
     meta = msg.meta
     parent, new_hash = meta.get("parent"), meta.get("hash")
     if not isinstance(parent, str) or not isinstance(new_hash, str) or not new_hash:
         return wire.Rejected("update lacks its parent or result hash")
-    try:
-        contributors = tuple(
-            (str(p), float(w), int(t)) for p, w, t in meta.get("contributors", [])
-        )
-    except (TypeError, ValueError):
-        return wire.Rejected("update has malformed contributors")
+    contributors = messages.parse_contributors(meta.get("contributors", []))
+    if isinstance(contributors, wire.Rejected):
+        return wire.Rejected(f"update has malformed contributors: {contributors.reason}")
+    frame = bytes(frame)
     return Update(
-        frame=bytes(frame),
-        digest=update_digest(bytes(frame)),
+        frame=frame,
+        digest=update_digest(frame),
         round=msg.round,
         fragment=msg.fragment,
-        synchronizer=str(meta["peer"]),
+        synchronizer=meta["peer"],
         parent=parent,
         hash=new_hash,
         contributors=contributors,

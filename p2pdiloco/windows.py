@@ -43,10 +43,17 @@ def grace_window_s(
     Wait for stragglers only inside the slack that the tau steps of overlapped compute
     leave free, so no learner ever blocks on the synchronizer.
     """
+    inputs = (step_time_s, overlap_steps, time_to_quorum_s, sync_time_s, gamma, max_grace_s)
+    if any(math.isnan(x) for x in inputs):
+        return 0.0  # a poisoned estimate must never hold a window open (or busy-spin a wait)
     slack = overlap_steps * step_time_s - (time_to_quorum_s + sync_time_s)
-    if math.isnan(slack):
-        return 0.0  # a poisoned estimate must never hold a window open
-    return min(max(gamma * slack, 0.0), max_grace_s)
+    grace = min(max(gamma * slack, 0.0), max_grace_s)
+    return grace if math.isfinite(grace) else 0.0  # NaN from 0 * inf, or an unbounded max
+
+
+def _finite(value: object) -> bool:
+    """A real number that is neither NaN nor infinite (bools are not numbers here)."""
+    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
 
 
 def should_close(
@@ -70,7 +77,11 @@ class RunningMean:
     value: float | None = None
     decay: float = 0.7
 
-    def update(self, sample: float) -> float:
+    def update(self, sample: float) -> float | None:
+        """Fold in one duration; a NaN, infinite or negative one is not a measurement and
+        is ignored, so one bad sample cannot poison the mean for good. Returns the mean."""
+        if not _finite(sample) or sample < 0:
+            return self.value
         self.value = (
             sample if self.value is None else self.decay * self.value + (1 - self.decay) * sample
         )
@@ -181,7 +192,10 @@ class WindowMachine:
             return "window is closing"
         if peer in self.arrivals:
             return "already contributed to this window"
-        if not math.isfinite(step_time_s) or step_time_s < 0:
+        for name, count in (("tokens", tokens), ("steps", steps)):
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                return f"{name} must be an int >= 0"
+        if not _finite(step_time_s) or step_time_s < 0:
             step_time_s = 0.0
         self.arrivals[peer] = Arrival(tokens, steps, step_time_s, now)
         return None
@@ -245,4 +259,6 @@ class WindowMachine:
             until = self.opened_at + self.deadline_s
         else:
             until = self.quorum_at + self.grace_s
+        if not _finite(until):
+            until = now  # never hand the caller a NaN deadline: recheck at once
         return Wait(min(until, now + RECHECK_S))

@@ -6,8 +6,11 @@ The header carries the protocol version, the message kind, run, round, fragment,
 scalar metadata and one descriptor per tensor (name, codec, shape, meta, nbytes); the
 payloads follow in descriptor order, back to back. `decode_message` never raises: every
 length is checked against `WireLimits` before anything is allocated or decoded, and any
-malformed input becomes a `Rejected(reason)`. `decode_tensors` then runs the codecs and
-rejects non-finite values. Layout, limits and reasons are in docs/protocol.md.
+malformed input becomes a `Rejected(reason)`, including numeric metadata outside the
+bounds its kind declares (a `step_time_s` of NaN or 1e300 never reaches a window).
+`decode_tensors` then checks names and shapes against the layout the caller expects
+before it decodes anything, runs the codecs and rejects non-finite values. Layout,
+limits and reasons are in docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -22,11 +25,14 @@ from typing import Any
 import msgpack
 import torch
 
-from p2pdiloco.compress import CODECS, EncodedTensor, check_layout, decode_tensor
+from p2pdiloco import compress
+from p2pdiloco.compress import CODECS, EncodedTensor, check_layout
 
 __all__ = [
     "CONTRIBUTION",
     "MAGIC",
+    "MAX_COUNT",
+    "MAX_STEP_TIME_S",
     "OUTER_UPDATE",
     "PROTOCOL_VERSION",
     "STATE_CHUNK",
@@ -56,6 +62,11 @@ MAX_NAME_CHARS = 512
 MAX_META_DEPTH = 4
 """Deepest nesting of lists/maps inside metadata values."""
 _U63 = 1 << 63
+MAX_COUNT = (1 << 53) - 1
+"""Largest round, fragment, step or token count a peer may send: exact as a float, so
+sums, means and time estimates built from them stay exact and finite."""
+MAX_STEP_TIME_S = 86400.0
+"""Longest inner-step time a learner may claim, seconds (a day); larger claims are refused."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +119,8 @@ class MessageKind:
     """Fields that are type-checked when present; any other field is free plain data."""
     carries_tensors: bool = True
     """Whether messages of this kind may carry tensors."""
+    bounds: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    """Inclusive [low, high] of numeric fields (required or optional), checked after the type."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -116,6 +129,12 @@ class MessageKind:
             for key, kind in fields.items():
                 if kind not in FIELD_TYPES:
                     raise ValueError(f"field {self.name}.{key} has unknown type {kind!r}")
+        for key, (low, high) in self.bounds.items():
+            kind = self.required.get(key, self.optional.get(key))
+            if kind not in ("int", "uint", "float") or not low <= high:
+                raise ValueError(
+                    f"bounds of {self.name}.{key} need a numeric field and low <= high"
+                )
 
 
 CONTRIBUTION = "contribution"
@@ -146,7 +165,13 @@ register_kind(
     MessageKind(
         CONTRIBUTION,
         required={"peer": "str", "base_round": "uint", "tokens": "uint", "steps": "uint"},
-        optional={"unreachable": "list"},
+        optional={"unreachable": "list", "step_time_s": "float"},
+        bounds={
+            "base_round": (0, MAX_COUNT),
+            "tokens": (0, MAX_COUNT),
+            "steps": (0, MAX_COUNT),
+            "step_time_s": (0.0, MAX_STEP_TIME_S),
+        },
     )
 )
 register_kind(
@@ -160,10 +185,17 @@ register_kind(
             "hash": "str",
             "grace_s": "float",
         },
+        bounds={"tokens": (0, MAX_COUNT), "grace_s": (0.0, math.inf)},
     )
 )
 register_kind(MessageKind(STATE_REQUEST, required={"peer": "str"}, carries_tensors=False))
-register_kind(MessageKind(STATE_CHUNK, required={"peer": "str", "index": "uint", "total": "uint"}))
+register_kind(
+    MessageKind(
+        STATE_CHUNK,
+        required={"peer": "str", "index": "uint", "total": "uint"},
+        bounds={"index": (0, MAX_COUNT), "total": (0, MAX_COUNT)},
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -202,9 +234,9 @@ def _check_name(value: Any, what: str) -> str:
     return value
 
 
-def _check_uint(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _U63:
-        raise _Invalid(f"{what} must be an int in [0, 2^63), got {_short(value)}")
+def _check_uint(value: Any, what: str, high: int = _U63 - 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
+        raise _Invalid(f"{what} must be an int in [0, {high}], got {_short(value)}")
     return value
 
 
@@ -266,6 +298,11 @@ def _check_meta(meta: Any, kind: MessageKind) -> dict[str, Any]:
     for key, type_name in kind.optional.items():
         if key in meta:
             _check_field_type(meta[key], type_name, f"meta field {key!r}")
+    for key, (low, high) in kind.bounds.items():
+        if key in meta and not low <= meta[key] <= high:
+            raise _Invalid(
+                f"meta field {key!r} must be in [{low}, {high}], got {_short(meta[key])}"
+            )
     return meta
 
 
@@ -354,8 +391,8 @@ def _check_header(header: Any, limits: WireLimits) -> tuple[MessageKind, list[_D
     if kind is None:
         raise _Invalid(f"unknown message kind {_short(header['kind'])}")
     _check_name(header["run"], "run name")
-    _check_uint(header["round"], "round")
-    _check_uint(header["fragment"], "fragment")
+    _check_uint(header["round"], "round", MAX_COUNT)
+    _check_uint(header["fragment"], "fragment", MAX_COUNT)
     _check_meta(header["meta"], kind)
     return kind, _check_descriptors(header["tensors"], kind, limits)
 
@@ -475,21 +512,29 @@ def decode_message(data: bytes | bytearray | memoryview, limits: WireLimits) -> 
         return Rejected(f"malformed frame: {type(exc).__name__}: {exc}")
 
 
-def decode_tensors(msg: Message) -> dict[str, torch.Tensor] | Rejected:
-    """Decode every tensor of `msg` to fp32; Rejected if any is invalid or not finite."""
-    out = {}
-    for name, enc in msg.tensors.items():
-        try:
-            tensor = decode_tensor(enc)
-        except ValueError as exc:
-            return Rejected(f"tensor {name!r}: {exc}")
-        except Exception as exc:  # last resort, as in decode_message
-            logger.warning("tensor decode failed unexpectedly name=%s error=%r", name, exc)
-            return Rejected(f"tensor {name!r}: {type(exc).__name__}: {exc}")
-        if not bool(torch.isfinite(tensor).all()):
-            return Rejected(f"tensor {name!r} has non-finite values (NaN or Inf)")
-        out[name] = tensor
-    return out
+def decode_tensors(
+    msg: Message,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+    *,
+    max_total_elements: int = compress.MAX_DECODE_ELEMENTS,
+) -> dict[str, torch.Tensor] | Rejected:
+    """Decode every tensor of `msg` to fp32; Rejected if any is invalid or not finite.
+
+    With `shapes` (name -> shape: the layout the caller expects) the names and shapes are
+    checked before anything is allocated; without, at most `max_total_elements` elements
+    over all tensors are. Never raises on any input.
+    """
+    if not isinstance(msg, Message):
+        return Rejected(f"expected a Message, got {type(msg).__name__}")
+    try:
+        return compress.decode_tensors(
+            msg.tensors, shapes=shapes, max_total_elements=max_total_elements, finite=True
+        )
+    except ValueError as exc:
+        return Rejected(str(exc))
+    except Exception as exc:  # last resort, as in decode_message
+        logger.warning("tensor decode failed unexpectedly error=%r", exc)
+        return Rejected(f"malformed tensors: {type(exc).__name__}: {exc}")
 
 
 # ---------------------------------------------------------------------------------------

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 
 import pytest
+
+from p2pdiloco.cli import build_parser, config_from_args
+from p2pdiloco.config import PeerConfig, load_config
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -58,6 +62,8 @@ def test_simulate_writes_json(tmp_path) -> None:
         (["simulate", "--set", "train.device='cuda'"], "cuda"),
         (["simulate", "--learners", "zero"], "invalid int value"),
         (["frobnicate"], "invalid choice"),
+        (["join", "--port", "70000"], "peer.port must be in [0, 65535], got 70000"),
+        (["join", "--new-run", "--crash-at", "sometime"], "peer.crash_at"),
     ],
 )
 def test_user_errors_are_one_line_with_exit_code_2(args, message) -> None:
@@ -72,3 +78,70 @@ def test_config_prints_effective_toml() -> None:
     proc = run_cli("config", "--set", "sync.inner_steps=33")
     assert proc.returncode == 0
     assert "inner_steps = 33" in proc.stdout
+
+
+def test_config_prints_the_peer_section_set_with_set() -> None:
+    proc = run_cli("config", "--set", "peer.port=4000")
+    assert proc.returncode == 0, proc.stderr
+    peer_section = proc.stdout.split("[peer]\n", 1)[1]
+    assert "port = 4000" in peer_section.split("\n\n", 1)[0]
+
+
+def _config_of(*argv: str):
+    return config_from_args(build_parser().parse_args(list(argv)))
+
+
+def test_every_peer_field_has_a_join_flag_without_a_default_of_its_own() -> None:
+    args = build_parser().parse_args(["join"])
+    fields = set(dataclasses.asdict(PeerConfig()))
+    assert fields <= set(vars(args)), fields - set(vars(args))
+    assert all(getattr(args, name) is None for name in fields)
+    assert _config_of("join") == load_config(None)
+
+
+def test_join_flags_are_shorthands_for_set_peer() -> None:
+    maddr = "/ip4/10.0.0.1/tcp/31337/p2p/12D3KooWEKA2Q78SUehS68gSmBu9ARDrqrWQd82a3w8KXMPyEbEp"
+    by_flags = _config_of(
+        "join",
+        "--port", "4000",
+        "--identity", "/keys/me.key",
+        "--threads", "1",
+        "--client-mode",
+        "--max-rounds", "3",
+        "--initial-peers", maddr,
+    )  # fmt: skip
+    by_sets = _config_of(
+        "join",
+        "--set", "peer.port=4000",
+        "--set", "peer.identity_path='/keys/me.key'",
+        "--set", "peer.torch_threads=1",
+        "--set", "peer.client_mode=true",
+        "--set", "peer.max_rounds=3",
+        "--set", f'peer.initial_peers=["{maddr}"]',
+    )  # fmt: skip
+    assert by_flags == by_sets
+    assert by_flags.peer == PeerConfig(
+        port=4000,
+        identity_path="/keys/me.key",
+        torch_threads=1,
+        client_mode=True,
+        max_rounds=3,
+        initial_peers=(maddr,),
+    )
+
+
+def test_a_flag_wins_over_set_and_set_over_the_file(tmp_path) -> None:
+    path = tmp_path / "peer.toml"
+    path.write_text("[peer]\nport = 1000\nheartbeat_s = 5.0\neval_batches = 7\n")
+    config = _config_of(
+        "join", "--config", str(path), "--set", "peer.port=2000", "--set", "peer.heartbeat_s=3",
+        "--port", "3000",
+    )  # fmt: skip
+    assert (config.peer.port, config.peer.heartbeat_s, config.peer.eval_batches) == (3000, 3.0, 7)
+
+
+def test_watchers_and_bootstrap_read_the_same_peer_fields() -> None:
+    status = _config_of("status", "--run", "myrun", "--timeout-s", "5")
+    assert (status.peer.run, status.peer.startup_timeout_s) == ("myrun", 5.0)
+    boot = _config_of("bootstrap", "--port", "31337", "--events")
+    assert (boot.peer.port, boot.peer.events) == (31337, True)

@@ -18,6 +18,7 @@ import torch
 
 from p2pdiloco import compress, messages, wire
 from p2pdiloco.config import RunConfig, replace
+from p2pdiloco.contributions import seal_contribution
 from p2pdiloco.election import synchronizer_order
 from p2pdiloco.learner_link import LearnerLink, Outcome
 from p2pdiloco.membership import Heartbeat
@@ -138,7 +139,7 @@ class Node:
             self.transport, RUN, CONFIG, self.state, self.members, LIMITS, self.replicas,
             self.worker, hook=self.hook, on_event=self.events.append,
         )
-        self.link = LearnerLink(self.transport, RUN, CONFIG, self.replicas, self.members, LIMITS)
+        self.link = LearnerLink(self.transport, RUN, CONFIG.sync, self.replicas, self.members, LIMITS)
 
     def members(self) -> dict[str, Heartbeat]:
         """Heartbeats of the peers this one sees, with their current rounds."""
@@ -199,7 +200,7 @@ class Cluster:
 
     def dht_records(self) -> dict[tuple[int, str], RoundRecord]:
         """The well-formed round records of fragment 0 in the shared DHT."""
-        return records_of(self.network._get(rounds_key(RUN, 0)), 0)
+        return records_of(RUN, self.network._get(rounds_key(RUN, 0)), 0)
 
     def close(self) -> None:
         for node in self.nodes.values():
@@ -300,7 +301,7 @@ def test_a_synchronizer_killed_at_any_commit_phase_leaves_one_round_and_loses_no
         # the survivors go on: round 1 is built on that record, no round is skipped
         next_outcomes = await asyncio.gather(
             second.link.contribute(0, 1, second.frame(0.5, round_id=1)),
-            third.link.contribute(0, 1, third.frame(-0.5, round_id=1)),
+            third.link.contribute(0, 1, third.frame(0.25, round_id=1)),
         )
         assert [o.status for o in next_outcomes] == [messages.MERGED, messages.MERGED]
         chain = canonical_chain(RUN, cluster.dht_records().values(), genesis)
@@ -324,7 +325,10 @@ def test_a_delta_arriving_during_the_merge_is_told_it_is_late() -> None:
         contributions = asyncio.gather(a.contribute(1.0), b.contribute(3.0))
         await merging.wait()
         raw = await synchronizer.transport.call(
-            synchronizer.peer_id, f"{RUN}.{messages.RPC_CONTRIBUTE}", synchronizer.frame(2.0), 5.0
+            synchronizer.peer_id,
+            f"{RUN}.{messages.RPC_CONTRIBUTE}",
+            seal_contribution(synchronizer.transport.identity, RUN, synchronizer.frame(2.0)),
+            5.0,
         )
         reply = wire.decode_message(raw, LIMITS)
         assert reply.meta["status"] == messages.LATE

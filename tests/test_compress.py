@@ -7,6 +7,7 @@ import io
 import math
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -320,10 +321,40 @@ def test_check_layout_names_what_is_wrong() -> None:
 
 def test_zstd_stage_is_lossless_and_shrinks_redundant_payloads() -> None:
     x = torch.zeros(10_000)
-    x[::100] = 1.0
+    x[torch.randperm(10_000, generator=torch.Generator().manual_seed(0))[:100]] = 1.0
     plain, packed = make_codec("int8").encode(x), make_codec("int8", zstd=True).encode(x)
     assert packed.meta == {**plain.meta, "zstd": True} and packed.nbytes < plain.nbytes / 10
     assert torch.equal(decode_tensor(packed), decode_tensor(plain))
+
+
+def test_past_the_ratio_limit_the_encoder_sends_plain_and_the_decoder_refuses_zstd() -> None:
+    zeros = torch.zeros(1 << 16)  # 256 KiB of fp32 zeros compress ~3000:1
+    sent = make_codec("fp32", zstd=True).encode(zeros)
+    assert "zstd" not in sent.meta and sent.nbytes == 4 << 16
+    assert torch.equal(make_codec("fp32", zstd=True).decode(sent), zeros)
+    bomb = zstandard.ZstdCompressor().compress(bytes(4 << 16))
+    reason = check_layout("fp32", (1 << 16,), {"zstd": True}, len(bomb))
+    assert reason is not None and "MAX_ZSTD_RATIO" in reason
+    with pytest.raises(ValueError, match="MAX_ZSTD_RATIO"):
+        decode_tensor(EncodedTensor("fp32", (1 << 16,), {"zstd": True}, bomb))
+    small = zstandard.ZstdCompressor().compress(bytes(4096))  # tiny tensors pass any ratio
+    assert decode_tensor(EncodedTensor("fp32", (1024,), {"zstd": True}, small)).abs().sum() == 0
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        lambda frame: frame + b"\x00",  # trailing bytes after the frame
+        lambda frame: frame + frame,  # a second frame
+        lambda frame: frame[:-3],  # truncated
+    ],
+    ids=["trailing", "two-frames", "truncated"],
+)
+def test_a_zstd_payload_is_exactly_one_complete_frame(payload: Any) -> None:
+    x = torch.randn(2000)
+    frame = make_codec("fp32", zstd=True).encode(x).payload
+    with pytest.raises(ValueError, match="zstd"):
+        decode_tensor(EncodedTensor("fp32", (2000,), {"zstd": True}, payload(frame)))
 
 
 def test_zstd_frames_that_lie_about_their_size_are_refused() -> None:
@@ -415,7 +446,7 @@ def test_error_feedback_survives_a_restart() -> None:
 # a pure core
 
 
-@pytest.mark.parametrize("module", ["compress", "wire"])
+@pytest.mark.parametrize("module", ["compress", "wire", "ratelimit"])
 def test_core_modules_import_no_networking(module: str) -> None:
     source = Path(compress.__file__).with_name(f"{module}.py").read_text()
     imported = set()

@@ -8,8 +8,10 @@ import pytest
 
 from p2pdiloco.config import (
     DEFAULT_TOML,
+    PeerConfig,
     RunConfig,
     config_from_dict,
+    config_hash,
     config_to_dict,
     load_config,
     render_toml,
@@ -56,6 +58,14 @@ def test_file_then_overrides(tmp_path) -> None:
         ("model.preset=3", "model.preset must be a string"),
         ("sync.num_fragments=99", "sync.num_fragments must be in [1, sync.inner_steps=50]"),
         ("nodot=1", "must look like section.key=value"),
+        ("peer.port=70000", "peer.port must be in [0, 65535], got 70000"),
+        ("peer.run='../etc'", "peer.run must be a plain name"),
+        ("peer.heartbeat_s=0", "peer.heartbeat_s must be > 0"),
+        ("peer.data_rank=-2", "peer.data_rank must be >= -1"),
+        ("peer.max_rounds=-1", "peer.max_rounds must be >= 0"),
+        ("peer.corrupt='bits'", "peer.corrupt must be one of"),
+        ("peer.initial_peers='/ip4/1.2.3.4/tcp/1'", "peer.initial_peers must be a list of strings"),
+        ("peer.announce_maddrs=[1]", "peer.announce_maddrs must be a list of strings"),
         ("sync.min_quorum", "must look like section.key=value"),
     ],
 )
@@ -80,3 +90,29 @@ def test_configs_are_frozen() -> None:
     with pytest.raises(AttributeError):
         config.sync.min_quorum = 5  # type: ignore[misc]
     assert config_to_dict(config)["sync"]["min_quorum"] == 1
+
+
+def test_peer_section_is_set_like_any_other() -> None:
+    maddr = "/ip4/10.0.0.1/tcp/31337/p2p/12D3KooWEKA2Q78SUehS68gSmBu9ARDrqrWQd82a3w8KXMPyEbEp"
+    config = load_config(
+        None, ["peer.port=4000", f'peer.initial_peers=["{maddr}"]', "peer.client_mode=true"]
+    )
+    assert config.peer == PeerConfig(port=4000, initial_peers=(maddr,), client_mode=True)
+    assert config_from_dict(tomllib.loads(render_toml(config))) == config
+
+
+def test_peer_section_is_left_out_of_the_run_hash() -> None:
+    base = config_hash(RunConfig())
+    per_peer = load_config(
+        None,
+        [
+            "peer.port=4000",
+            "peer.identity_path='/keys/me.key'",
+            "peer.run='other'",
+            "peer.max_steps=9",
+            "peer.crash_at='after_quorum'",
+        ],
+    )
+    assert config_hash(per_peer) == base
+    assert config_hash(load_config(None, ["sync.min_quorum=2"])) != base
+    assert config_hash(load_config(None, ["compress.codec='int4'"])) != base

@@ -27,6 +27,15 @@ PURE_MODULES = [
     "state",
     "checkpoint",
     "addressbook",
+    "devices",
+    "ratelimit",
+    "identity",
+    "trust",
+    "screening",
+    "merging",
+    "contributions",
+    "audit",
+    "record_rules",
 ]
 """Modules that must stay network-free: each exists, imports no networking library and
 imports only other pure p2pdiloco modules. A new pure module is added here by hand."""

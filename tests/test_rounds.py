@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2pdiloco.election import synchronizer_order
+from p2pdiloco.identity import Identity
 from p2pdiloco.rounds import (
     MAX_LISTED_PEERS,
     MAX_RECORD_BYTES,
@@ -24,14 +25,19 @@ from p2pdiloco.rounds import (
     beats,
     canonical_chain,
     decode_round_record,
+    open_record,
     rank,
     record_subkey,
     records_of,
+    seal_record,
 )
 
 RUN = "rounds-test"
 GENESIS = "genesis-hash"
 EXPIRES = 1e12
+KEYS = [Identity.generate() for _ in range(4)]
+SIGNER = {key.peer_id: key for key in KEYS}
+A, B, C, D = (key.peer_id for key in KEYS)
 
 
 def record(
@@ -60,7 +66,11 @@ def record(
 
 def stored(*records: RoundRecord) -> dict[str, tuple[bytes, float]]:
     """DHT records as `transport.get` returns them, each under its own subkey."""
-    return {record_subkey(r.round, r.synchronizer): (r.encode(), EXPIRES) for r in records}
+    return {record_subkey(r.round, r.synchronizer): (sealed(r), EXPIRES) for r in records}
+
+
+def sealed(r: RoundRecord) -> bytes:
+    return seal_record(SIGNER[r.synchronizer], RUN, r)
 
 
 def ordered(round_id: int, *peers: str, fragment: int = 0) -> list[str]:
@@ -283,37 +293,54 @@ def test_a_record_listing_more_peers_than_allowed_is_refused_not_truncated() -> 
 
 
 def test_records_of_keys_well_formed_records_by_round_and_synchronizer() -> None:
-    a = record(0, "a", parent=GENESIS, hash="ha")
-    b = record(0, "b", parent=GENESIS, hash="hb")
-    c = record(1, "a", parent="ha", hash="hc")
-    assert records_of(stored(a, b, c), 0) == {(0, "a"): a, (0, "b"): b, (1, "a"): c}
+    a = record(0, A, parent=GENESIS, hash="ha")
+    b = record(0, B, parent=GENESIS, hash="hb")
+    c = record(1, A, parent="ha", hash="hc")
+    assert records_of(RUN, stored(a, b, c), 0) == {(0, A): a, (0, B): b, (1, A): c}
 
 
 def test_records_of_ignores_a_record_stored_under_another_subkey() -> None:
-    genuine = record(0, "a", parent=GENESIS, hash="ha")
-    forged = record(0, "b", parent=GENESIS, hash="hb")
+    genuine = record(0, A, parent=GENESIS, hash="ha")
+    forged = record(0, B, parent=GENESIS, hash="hb")
     raw = {
-        record_subkey(0, "a"): (genuine.encode(), EXPIRES),
+        record_subkey(0, A): (sealed(genuine), EXPIRES),
         # b's record stored under a's round-1 slot, under another peer's name, or junk keys
-        record_subkey(1, "b"): (forged.encode(), EXPIRES),
-        record_subkey(0, "c"): (forged.encode(), EXPIRES),
-        "b": (forged.encode(), EXPIRES),
-        "0": (forged.encode(), EXPIRES),
+        record_subkey(1, B): (sealed(forged), EXPIRES),
+        record_subkey(0, C): (sealed(forged), EXPIRES),
+        B: (sealed(forged), EXPIRES),
+        "0": (sealed(forged), EXPIRES),
     }
-    assert records_of(raw, 0) == {(0, "a"): genuine}
+    assert records_of(RUN, raw, 0) == {(0, A): genuine}
+
+
+def test_records_of_ignores_unsigned_and_wrongly_signed_records() -> None:
+    """A record in the name of A needs A's signature, for this run."""
+    honest = record(0, A, parent=GENESIS, hash="ha")
+    forged_by_b = KEYS[1].seal(f"round/{RUN}", honest.encode())
+    other_run = seal_record(KEYS[0], "another-run", honest)
+    for raw in (honest.encode(), forged_by_b, other_run):
+        assert records_of(RUN, {record_subkey(0, A): (raw, EXPIRES)}, 0) == {}
+        assert open_record(RUN, raw) is None
+    assert open_record(RUN, sealed(honest)) == honest
+
+
+def test_records_of_drops_records_of_synchronizers_the_run_does_not_entitle() -> None:
+    a, b = record(0, A, parent=GENESIS, hash="ha"), record(0, B, parent=GENESIS, hash="hb")
+    kept = records_of(RUN, stored(a, b), 0, entitled=lambda r: r.synchronizer == B)
+    assert kept == {(0, B): b}
 
 
 def test_records_of_ignores_records_of_another_fragment_and_junk() -> None:
-    mine = record(0, "a", parent=GENESIS, hash="ha", fragment=1)
-    other = record(0, "b", parent=GENESIS, hash="hb", fragment=2)
+    mine = record(0, A, parent=GENESIS, hash="ha", fragment=1)
+    other = record(0, B, parent=GENESIS, hash="hb", fragment=2)
     raw = {
         **stored(mine, other),
-        record_subkey(1, "c"): (b"\x00junk", EXPIRES),
-        record_subkey(2, "d"): (msgpack.packb({"round": 2}), EXPIRES),
+        record_subkey(1, C): (b"\x00junk", EXPIRES),
+        record_subkey(2, D): (msgpack.packb({"round": 2}), EXPIRES),
     }
-    assert records_of(raw, 1) == {(0, "a"): mine}
-    assert records_of(raw, 2) == {(0, "b"): other}
-    assert records_of(raw, 0) == {}
+    assert records_of(RUN, raw, 1) == {(0, A): mine}
+    assert records_of(RUN, raw, 2) == {(0, B): other}
+    assert records_of(RUN, raw, 0) == {}
 
 
 # --- ranking ----------------------------------------------------------------------------
@@ -420,7 +447,7 @@ def test_records_of_another_round_than_the_chain_needs_are_ignored() -> None:
 # --- the rule does not depend on the order records are read in -------------------------
 
 HASHES = [GENESIS, "h1", "h2", "h3", "h4", "h5"]
-SYNCHRONIZERS = ["p0", "p1", "p2", "p3"]
+SYNCHRONIZERS = [A, B, C, D]
 
 
 @st.composite
@@ -451,7 +478,7 @@ def test_the_chain_is_independent_of_input_order_and_well_linked(records: list[R
     assert canonical_chain(RUN, shuffled, GENESIS, void) == chain
     assert canonical_chain(RUN, reversed(records), GENESIS, void) == chain
     # the same chain when read from the DHT through records_of
-    assert canonical_chain(RUN, records_of(stored(*shuffled), 0).values(), GENESIS, void) == chain
+    assert canonical_chain(RUN, records_of(RUN, stored(*shuffled), 0).values(), GENESIS, void) == chain
     if not chain:
         return
     rounds = sorted(chain)

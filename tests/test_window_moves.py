@@ -14,6 +14,7 @@ import torch
 
 from p2pdiloco import compress, messages, wire
 from p2pdiloco.config import RunConfig, replace
+from p2pdiloco.contributions import seal_contribution
 from p2pdiloco.election import synchronizer_order
 from p2pdiloco.learner_link import LearnerLink
 from p2pdiloco.membership import Heartbeat
@@ -57,7 +58,7 @@ class Peer:
             on_event=self.on_event,
         )
         self.link = LearnerLink(
-            self.transport, RUN, CONFIG, self.replicas, lambda: self.view, LIMITS
+            self.transport, RUN, CONFIG.sync, self.replicas, lambda: self.view, LIMITS
         )
 
     def on_event(self, event: dict) -> None:
@@ -127,7 +128,8 @@ def test_a_peer_below_the_top_refuses_to_open_a_window_and_names_the_top() -> No
         _, top, second, _third = await three_peers()
         second.sees(top.transport.peer_id, second.transport.peer_id)
         raw = await top.transport.call(
-            second.transport.peer_id, f"{RUN}.{messages.RPC_CONTRIBUTE}", top.frame(1.0), 10
+            second.transport.peer_id, f"{RUN}.{messages.RPC_CONTRIBUTE}",
+            seal_contribution(top.transport.identity, RUN, top.frame(1.0)), 10
         )
         reply = wire.decode_message(raw, LIMITS)
         assert reply.meta["status"] == messages.MOVED

@@ -2,7 +2,7 @@
 
 A transport gives a peer three things and nothing more:
 
-- an identity (`peer_id`, `visible_maddrs()`),
+- an identity (`peer_id`, the signing key `identity`, `visible_maddrs()`),
 - request/response RPC carrying opaque bytes (`register_handler`, `call`), moved in
   bounded chunks with a size limit on each side and a deadline on every call,
 - expiring DHT records under (key, subkey) (`store`, `get`) on a shared clock (`now`).
@@ -27,6 +27,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 
 from p2pdiloco.errors import NetworkSetupError
+from p2pdiloco.identity import Identity
 
 Handler = Callable[[str, bytes], Awaitable[bytes]]
 """An RPC handler: `(caller_peer_id, request_bytes) -> response_bytes`."""
@@ -100,6 +101,11 @@ class Transport(ABC):
     @abstractmethod
     def peer_id(self) -> str:
         """This peer's id (base58 libp2p peer id for real transports)."""
+
+    @property
+    @abstractmethod
+    def identity(self) -> Identity:
+        """This peer's signing key; `identity.peer_id == peer_id`."""
 
     @property
     @abstractmethod

@@ -23,18 +23,24 @@ import errno
 import itertools
 import logging
 import os
+import shutil
 import signal
 import socket
 import struct
+import tempfile
 import threading
 import time
 from contextlib import suppress
 
 from hivemind.dht import DHT
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
-from hivemind.proto import crypto_pb2
 from hivemind.utils import get_dht_time
+from hivemind.utils.serializer import MSGPackSerializer
 
+from p2pdiloco.identity import Identity, load_or_create_identity
+from p2pdiloco.ratelimit import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_PER_CALLER, ConcurrencyLimit
 from p2pdiloco.transport.base import (
     CHUNK_BYTES,
     DEFAULT_MAX_BYTES,
@@ -61,24 +67,6 @@ _RESPONSE_MAGIC = b"PDS1"
 _STATUS_OK, _STATUS_ERROR, _STATUS_TOO_LARGE = 0, 1, 2
 _MAX_ERROR_BYTES = 4096
 _CONTINUE = b"\x01"
-
-
-def write_ed25519_identity(path: str) -> None:
-    """Write a new libp2p Ed25519 private key (protobuf, as p2pd's `-id` reads it), mode 0600."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-    key = Ed25519PrivateKey.generate()
-    raw = serialization.Encoding.Raw
-    private = key.private_bytes(raw, serialization.PrivateFormat.Raw, serialization.NoEncryption())
-    public = key.public_key().public_bytes(raw, serialization.PublicFormat.Raw)
-    # libp2p's Ed25519 private key encoding is seed || public key (64 bytes).
-    message = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.Ed25519, data=private + public)
-    tmp = f"{path}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(message.SerializeToString())
-    os.replace(tmp, path)
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -155,6 +143,40 @@ def _watch_parent(parent_pid: int, period_s: float = 1.0) -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+class RunRecordValidator(RecordValidatorBase):
+    """hivemind's record-validator hook around a run's pure record rules.
+
+    hivemind shows a validator the key's DHT id, the msgpack-encoded subkey and value;
+    we map the id back to the run's key names and hand the decoded parts to the rules.
+    Runs inside the DHT process on every store request and every value a peer returns.
+    """
+
+    def __init__(self, rules) -> None:
+        self.rules = rules
+        self._keys = {DHTID.generate(source=key).to_bytes(): key for key in rules.keys()}
+        self._refused: dict[str, int] = {}
+
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            key = self._keys.get(record.key)
+            if key is None:
+                reason = "not a key of this run"
+            else:
+                subkey = MSGPackSerializer.loads(record.subkey)
+                value = MSGPackSerializer.loads(record.value)
+                reason = self.rules.check(key, subkey, value, record.expiration_time, get_dht_time())
+        except Exception as exc:  # noqa: BLE001 - any bytes from the network: a refusal
+            reason = f"undecodable record ({type(exc).__name__})"
+        if reason is None:
+            return True
+        count = self._refused[reason] = self._refused.get(reason, 0) + 1
+        if count <= 3 or count % 100 == 0:
+            logger.warning("dht_record_refused reason=%r count=%d", reason, count)
+        if len(self._refused) > 256:
+            self._refused.clear()
+        return False
+
+
 class HivemindTransport(Transport):
     """A peer on a hivemind DHT swarm; RPC over p2pd raw streams.
 
@@ -164,6 +186,9 @@ class HivemindTransport(Transport):
     if missing, so the peer id survives restarts. `announce_maddrs`: addresses to advertise.
     `startup_timeout_s`: bound on daemon start + bootstrap, s. `dht_timeout_s`: bound on one
     store/get, s. `idle_timeout_s`: a stream that moves no byte for this long is dropped, s.
+    `max_in_flight` / `max_per_caller`: requests one handler runs at once (from the request
+    header to the last response byte), from everyone / from one caller; past either cap a
+    request is refused at once with an error status (the caller gets a `RemoteError`).
     """
 
     def __init__(
@@ -178,7 +203,14 @@ class HivemindTransport(Transport):
         dht_timeout_s: float = 30,
         idle_timeout_s: float = 60,
         shutdown_timeout_s: float = 10,
+        record_rules=None,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        max_per_caller: int = DEFAULT_MAX_PER_CALLER,
     ) -> None:
+        ConcurrencyLimit(max_in_flight, max_per_caller)  # validate now, not at registration
+        self.max_in_flight = max_in_flight
+        self.max_per_caller = max_per_caller
+        self._in_flight: dict[str, ConcurrencyLimit] = {}
         self.initial_peers = list(initial_peers)
         self.host = host
         self.port = port
@@ -189,6 +221,9 @@ class HivemindTransport(Transport):
         self.dht_timeout_s = dht_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s
+        self.record_rules = record_rules
+        self._identity: Identity | None = None
+        self._scratch_dir: str | None = None
         self._dht: DHT | None = None
         self._p2p: P2P | None = None
         self._peer_id = ""
@@ -207,6 +242,12 @@ class HivemindTransport(Transport):
         return self._peer_id
 
     @property
+    def identity(self) -> Identity:
+        if self._identity is None:
+            raise TransportClosed("transport not started: no identity loaded yet")
+        return self._identity
+
+    @property
     def client_mode(self) -> bool:
         return self._client_mode
 
@@ -219,13 +260,16 @@ class HivemindTransport(Transport):
         if self._ready.is_set():
             return
         _check_port_free(self.host, self.port)
-        if self.identity_path is not None and not os.path.isfile(self.identity_path):
-            try:
-                write_ed25519_identity(self.identity_path)
-            except OSError as e:
-                raise TransportStartError(
-                    f"cannot write identity {self.identity_path}: {e}"
-                ) from None
+        if self.identity_path is None:
+            # An ephemeral peer still signs its records: its key lives in a private scratch dir.
+            self._scratch_dir = tempfile.mkdtemp(prefix="p2pdiloco-id-")
+            self.identity_path = os.path.join(self._scratch_dir, "identity.key")
+        created = not os.path.isfile(self.identity_path)
+        try:
+            self._identity = load_or_create_identity(self.identity_path)
+        except (OSError, ValueError) as e:
+            raise TransportStartError(f"cannot use identity {self.identity_path}: {e}") from None
+        if created and self._scratch_dir is None:
             logger.info("identity_created path=%s", self.identity_path)
         try:
             await self._start_dht()
@@ -286,8 +330,9 @@ class HivemindTransport(Transport):
             # hivemind's check spawns a second daemon and only parses RSA keys; ours are Ed25519.
             check_if_identity_free=False,
         )
-        if self.identity_path is not None:
-            options["identity_path"] = self.identity_path
+        options["identity_path"] = self.identity_path
+        if self.record_rules is not None:
+            options["record_validators"] = [RunRecordValidator(self.record_rules)]
         if self.announce_maddrs:
             options["announce_maddrs"] = self.announce_maddrs
         self._dht = DHT(initial_peers=self.initial_peers, start=False, **options)
@@ -301,6 +346,8 @@ class HivemindTransport(Transport):
             self._p2pd_pids += _child_pids(self._dht.pid) if self._dht.pid else []
             self._p2p = await asyncio.wait_for(self._dht.replicate_p2p(), timeout_s)
             self._peer_id = self._p2p.peer_id.to_base58()
+            if self._peer_id != self.identity.peer_id:
+                raise ValueError("p2pd runs under another identity than the key file's")
             maddrs = await asyncio.wait_for(self._p2p.get_visible_maddrs(), timeout_s)
             self._maddrs = [str(m) for m in maddrs]
         except TimeoutError:
@@ -341,6 +388,8 @@ class HivemindTransport(Transport):
         while any(_pid_alive(p) for p in self._p2pd_pids) and loop.time() < deadline:
             await asyncio.sleep(0.05)  # polling a deadline: p2pd exits after its DHT process
         self._reap_p2pd()
+        if self._scratch_dir is not None:
+            shutil.rmtree(self._scratch_dir, ignore_errors=True)
         with suppress(Exception):
             atexit.unregister(self._reap_p2pd)
         logger.info("transport_shutdown kind=hivemind peer_id=%s", self._peer_id)
@@ -383,6 +432,7 @@ class HivemindTransport(Transport):
         if name in self._handlers:
             raise ValueError(f"handler {name!r} is already registered")
         self._handlers[name] = (handler, max_request_bytes)
+        self._in_flight[name] = ConcurrencyLimit(self.max_in_flight, self.max_per_caller)
 
         async def serve(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             await self._serve(name, info.peer_id.to_base58(), reader, writer)
@@ -415,17 +465,37 @@ class HivemindTransport(Transport):
                     with suppress(Exception):
                         await asyncio.wait_for(self._discard(reader, length), 5)
                 return
-            if length > CHUNK_BYTES:
-                writer.write(_CONTINUE)
-                await asyncio.wait_for(writer.drain(), self.idle_timeout_s)
-            request = await self._read_body(reader, length)
+            limit = self._in_flight[name]
+            refusal = limit.try_acquire(caller)
+            if refusal is not None:
+                # Refused at the door, never queued: the body is not read (a small one is
+                # drained briefly so the refusal lands, as for an oversized request).
+                logger.warning(
+                    "rpc_rejected reason=too_many_concurrent name=%s caller=%s detail=%r",
+                    name,
+                    caller,
+                    refusal,
+                )
+                message = f"too many concurrent requests ({refusal})"
+                await self._send(writer, _STATUS_ERROR, message.encode())
+                if length <= CHUNK_BYTES:
+                    with suppress(Exception):
+                        await asyncio.wait_for(self._discard(reader, length), 1)
+                return
             try:
-                response = await handler(caller, request)
-                status = _STATUS_OK
-            except Exception as e:
-                logger.warning("handler_failed name=%s caller=%s error=%r", name, caller, e)
-                response, status = f"{type(e).__name__}: {e}".encode()[:_MAX_ERROR_BYTES], 1
-            await self._send(writer, status, response)
+                if length > CHUNK_BYTES:
+                    writer.write(_CONTINUE)
+                    await asyncio.wait_for(writer.drain(), self.idle_timeout_s)
+                request = await self._read_body(reader, length)
+                try:
+                    response = await handler(caller, request)
+                    status = _STATUS_OK
+                except Exception as e:
+                    logger.warning("handler_failed name=%s caller=%s error=%r", name, caller, e)
+                    response, status = f"{type(e).__name__}: {e}".encode()[:_MAX_ERROR_BYTES], 1
+                await self._send(writer, status, response)
+            finally:
+                limit.release(caller)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
             logger.info("rpc_dropped name=%s caller=%s reason=%s", name, caller, type(e).__name__)
         except Exception:
@@ -505,10 +575,24 @@ class HivemindTransport(Transport):
         handler, max_request = self._handlers[name]
         if len(request) > max_request:
             raise RequestTooLarge(f"request of {len(request)} bytes exceeds {max_request} bytes")
+        limit = self._in_flight[name]
+        refusal = limit.try_acquire(self._peer_id)
+        if refusal is not None:
+            logger.warning(
+                "rpc_rejected reason=too_many_concurrent name=%s caller=%s detail=%r",
+                name,
+                self._peer_id,
+                refusal,
+            )
+            raise RemoteError(
+                f"peer {self._peer_id} refused the call: too many concurrent requests ({refusal})"
+            )
         try:
             response = await handler(self._peer_id, bytes(request))
         except Exception as e:
             raise RemoteError(f"handler {name} failed: {type(e).__name__}: {e}") from None
+        finally:
+            limit.release(self._peer_id)
         if len(response) > max_response:
             raise ResponseTooLarge(f"response of {len(response)} bytes exceeds {max_response}")
         return response

@@ -4,17 +4,18 @@
 and holds one shared DHT table with expiration on an injectable clock. Faults are
 explicit: `kill(peer_id)` makes a peer unreachable, `suspend(peer_id)` makes calls to it
 hang until the caller's deadline (like SIGSTOP). It keeps the real transport's semantics
-(size limits, deadlines, error types) but not its timing or chunking.
+(size limits, concurrency caps, deadlines, error types) but not its timing or chunking.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections.abc import Callable
 
+from p2pdiloco.identity import Identity
+from p2pdiloco.ratelimit import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_PER_CALLER, ConcurrencyLimit
 from p2pdiloco.transport.base import (
     DEFAULT_MAX_BYTES,
     CallTimeout,
@@ -40,11 +41,17 @@ class MemoryNetwork:
         self._peers: dict[str, MemoryTransport] = {}
         self._suspended: set[str] = set()
         self._dht: dict[str, dict[str, tuple[bytes, float]]] = {}
-        self._ids = itertools.count(1)
+        self._identities: dict[str, Identity] = {}
 
     def new_peer_id(self) -> str:
-        """A fresh, unique peer id."""
-        return f"mem-{next(self._ids)}"
+        """A fresh, unique peer id (a real Ed25519 one: records on this network are signed)."""
+        identity = Identity.generate()
+        self._identities[identity.peer_id] = identity
+        return identity.peer_id
+
+    def identity_of(self, peer_id: str) -> Identity | None:
+        """The key behind a peer id made by `new_peer_id` (None for a hand-written id)."""
+        return self._identities.get(peer_id)
 
     def kill(self, peer_id: str) -> None:
         """Take a peer off the network at once (like SIGKILL): calls to it fail."""
@@ -94,13 +101,29 @@ class MemoryNetwork:
 
 
 class MemoryTransport(Transport):
-    """A peer on a `MemoryNetwork`; same interface and error types as the real ones."""
+    """A peer on a `MemoryNetwork`; same interface and error types as the real ones.
+
+    `max_in_flight` / `max_per_caller`: requests one handler runs at once, from everyone /
+    from one caller; a request past either cap is refused at once with a `RemoteError`.
+    """
 
     def __init__(
-        self, network: MemoryNetwork, peer_id: str | None = None, client_mode: bool = False
+        self,
+        network: MemoryNetwork,
+        peer_id: str | None = None,
+        client_mode: bool = False,
+        record_rules=None,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        max_per_caller: int = DEFAULT_MAX_PER_CALLER,
     ) -> None:
+        ConcurrencyLimit(max_in_flight, max_per_caller)  # validate now, not at registration
+        self.max_in_flight = max_in_flight
+        self.max_per_caller = max_per_caller
+        self._in_flight: dict[str, ConcurrencyLimit] = {}
         self.network = network
+        self.record_rules = record_rules
         self._peer_id = peer_id or network.new_peer_id()
+        self._identity = network.identity_of(self._peer_id)
         self._client_mode = client_mode
         self._handlers: dict[str, tuple[Handler, int]] = {}
         self._started = asyncio.Event()
@@ -109,6 +132,12 @@ class MemoryTransport(Transport):
     @property
     def peer_id(self) -> str:
         return self._peer_id
+
+    @property
+    def identity(self) -> Identity:
+        if self._identity is None:
+            raise TransportClosed(f"peer {self._peer_id} has a hand-written id and cannot sign")
+        return self._identity
 
     @property
     def client_mode(self) -> bool:
@@ -148,6 +177,7 @@ class MemoryTransport(Transport):
         if name in self._handlers:
             raise ValueError(f"handler {name!r} is already registered")
         self._handlers[name] = (handler, max_request_bytes)
+        self._in_flight[name] = ConcurrencyLimit(self.max_in_flight, self.max_per_caller)
 
     async def call(
         self,
@@ -178,6 +208,18 @@ class MemoryTransport(Transport):
             raise RequestTooLarge(
                 f"request of {len(request)} bytes exceeds {peer_id}'s limit of {max_request} bytes"
             )
+        limit = remote._in_flight[name]
+        refusal = limit.try_acquire(self._peer_id)
+        if refusal is not None:
+            logger.warning(
+                "rpc_rejected reason=too_many_concurrent name=%s caller=%s detail=%r",
+                name,
+                self._peer_id,
+                refusal,
+            )
+            raise RemoteError(
+                f"peer {peer_id} refused the call: too many concurrent requests ({refusal})"
+            )
         try:
             response = await handler(self._peer_id, request)
         except asyncio.CancelledError:
@@ -187,6 +229,8 @@ class MemoryTransport(Transport):
             raise RemoteError(
                 f"handler {name} on {peer_id} failed: {type(e).__name__}: {e}"
             ) from None
+        finally:
+            limit.release(self._peer_id)
         if self.network._route(peer_id) is not remote:
             raise PeerUnreachable(f"peer {peer_id} went away during the call")
         if len(response) > max_response:
@@ -197,11 +241,23 @@ class MemoryTransport(Transport):
 
     async def store(self, key: str, subkey: str, value: bytes, expiration_time: float) -> bool:
         self._check_open()
+        if self._refused(key, subkey, value, expiration_time):
+            return False
         return self.network._store(key, subkey, value, expiration_time)
 
     async def get(self, key: str, latest: bool = True) -> dict[str, tuple[bytes, float]]:
         self._check_open()
-        return self.network._get(key)
+        records = self.network._get(key)
+        return {s: r for s, r in records.items() if not self._refused(key, s, r[0], r[1])}
+
+    def _refused(self, key: str, subkey: str, value: bytes, expiration_time: float) -> bool:
+        """Apply the run's record rules, as hivemind's validator hook does on real peers."""
+        if self.record_rules is None:
+            return False
+        reason = self.record_rules.check(key, subkey, value, expiration_time, self.now())
+        if reason is not None:
+            logger.warning("dht_record_refused key=%s reason=%r", key, reason)
+        return reason is not None
 
     def now(self) -> float:
         return self.network.clock()

@@ -1,0 +1,173 @@
+"""Verifiable merges: peers recompute a round from its signed contributions.
+
+Peers are wired as in `test_commit` (in-memory transport, real ReplicaSync,
+Synchronizer and LearnerLink). One synchronizer lies: it publishes an update ten times
+the merge it computed, with a record whose hash matches the lie. An auditing peer must
+refuse it, prove it, ban the liar and tell the run; a peer that applied it without
+auditing must verify the notice itself and repair; an honest round must pass every audit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from test_commit import CONFIG, LIMITS, RUN, Cluster, Node, scenario
+
+from p2pdiloco import compress, messages
+from p2pdiloco.audit import (
+    MISMATCH,
+    NOTICE_TTL_S,
+    OK,
+    Auditor,
+    FraudNotice,
+    notice_subkey,
+    notices_key,
+    open_notice,
+    seal_notice,
+)
+from p2pdiloco.election import synchronizer_order
+from p2pdiloco.state import prepare_update
+from p2pdiloco.updates import build_update_frame, parse_update
+
+
+def auditing(node: Node, share: float) -> None:
+    node.replicas.auditor = Auditor(RUN, CONFIG, LIMITS, node.state.fragments)
+    node.replicas.audit_share = share
+
+
+def lying(node: Node, factor: float = 10.0) -> None:
+    """Make `node`'s synchronizer publish `factor` times the merge it computed."""
+    honest = node.sync._merge
+
+    def merge(window, grace_s):
+        result, prepared, update, first = honest(window, grace_s)
+        if update is None:
+            return result, prepared, update, first
+        m = window.machine
+        forged = {n: t * factor for n, t in result.decoded.items()}
+        encoded = {n: node.sync.outer_codec.encode(t) for n, t in forged.items()}
+        decoded = {n: compress.decode_tensor(e) for n, e in encoded.items()}
+        prepared = prepare_update(node.state, m.fragment, m.round, decoded)
+        frame = build_update_frame(
+            RUN, m.round, m.fragment, node.peer_id, prepared.parent_hash, prepared.hash,
+            update.contributors, encoded, grace_s,
+        )
+        forged_update = parse_update(frame, LIMITS, RUN, node.replicas.shapes)
+        return result, prepared, forged_update, first
+
+    node.sync._merge = merge
+
+
+def roles(cluster: Cluster, round_id: int) -> tuple[Node, list[Node]]:
+    """(the synchronizer of `round_id`, the other peers)."""
+    top = synchronizer_order(RUN, round_id, 0, list(cluster.nodes))[0]
+    return cluster.nodes[top], [n for p, n in cluster.nodes.items() if p != top]
+
+
+async def honest_round_zero(cluster: Cluster) -> None:
+    _, learners = roles(cluster, 0)
+    outcomes = await asyncio.gather(
+        learners[0].link.contribute(0, 0, learners[0].frame(1.0)),
+        learners[1].link.contribute(0, 0, learners[1].frame(2.0)),
+    )
+    assert [o.status for o in outcomes] == [messages.MERGED, messages.MERGED]
+    for node in cluster.nodes.values():
+        assert await node.replicas.sync_fragment(0)
+        assert node.state.round_of(0) == 1
+
+
+def audit_events(node: Node) -> list[dict]:
+    return [e for e in node.events if e.get("event") == "audited"]
+
+
+def test_an_honest_round_passes_every_audit() -> None:
+    async def body(cluster: Cluster) -> None:
+        for node in cluster.nodes.values():
+            auditing(node, 1.0)
+        await honest_round_zero(cluster)
+        synchronizer, _ = roles(cluster, 0)
+        audits = [e for n in cluster.nodes.values() for e in audit_events(n)]
+        assert audits, "nobody audited"
+        assert {e["verdict"] for e in audits} == {OK}
+        assert all(e["synchronizer"] == synchronizer.peer_id for e in audits)
+        hashes = {n.state.fragment_hash(0) for n in cluster.nodes.values()}
+        assert len(hashes) == 1
+
+    scenario(3, body)
+
+
+def test_a_false_merge_is_refused_proven_and_its_synchronizer_banned() -> None:
+    async def body(cluster: Cluster) -> None:
+        await honest_round_zero(cluster)
+        liar, (first, second) = roles(cluster, 1)
+        lying(liar)
+        auditing(first, 1.0)  # audits every round
+        auditing(second, 0.0)  # audits nothing: must act on the notice, after checking it
+        honest_hash = first.state.fragment_hash(0)
+        await asyncio.gather(
+            first.link.contribute(0, 1, first.frame(1.0, round_id=1)),
+            second.link.contribute(0, 1, second.frame(2.0, round_id=1)),
+        )
+        # the auditor refused the update, proved it false, banned the liar
+        verdicts = [e["verdict"] for e in audit_events(first)]
+        assert MISMATCH in verdicts, first.events
+        assert first.state.round_of(0) == 1 and first.state.fragment_hash(0) == honest_hash
+        assert liar.peer_id in first.replicas.banned
+        assert not first.replicas.may_synchronize(dataclasses.replace(next(iter(first.members().values())), peer_id=liar.peer_id))
+        # ... and told the run, with a notice signed by the auditor
+        notices = cluster.network._get(notices_key(RUN))
+        (subkey, (raw, _)), = notices.items()
+        notice = open_notice(RUN, subkey, raw)
+        assert notice.synchronizer == liar.peer_id and notice.auditor == first.peer_id
+        # the peer that applied the lie checks the notice itself, then repairs
+        assert second.state.round_of(0) == 2
+        await second.replicas.check_notices()
+        assert liar.peer_id in second.replicas.banned
+        assert second.state.round_of(0) == 1 and second.state.fragment_hash(0) == honest_hash, second.events[-6:]
+        assert any(e.get("event") == "convicted" for e in second.events)
+
+    scenario(3, body)
+
+
+def test_a_false_notice_changes_nothing() -> None:
+    async def body(cluster: Cluster) -> None:
+        await honest_round_zero(cluster)
+        synchronizer, (accuser, reader) = roles(cluster, 0)
+        for node in (accuser, reader):
+            auditing(node, 0.0)
+        record = reader.replicas.committed(0, 0)
+        lie = FraudNotice(0, 0, record.synchronizer, record.digest, accuser.peer_id)
+        await accuser.transport.store(
+            notices_key(RUN), notice_subkey(0, 0, accuser.peer_id),
+            seal_notice(accuser.transport.identity, RUN, lie), accuser.transport.now() + NOTICE_TTL_S,
+        )
+        before = reader.state.fragment_hash(0)
+        await reader.replicas.check_notices()
+        # the reader is past round 0 and the accuser too: nobody holds the parent state,
+        # so the notice is not verified and nothing happens
+        assert reader.state.fragment_hash(0) == before
+        assert synchronizer.peer_id not in reader.replicas.banned
+
+    scenario(3, body)
+
+
+def test_an_audit_with_a_tampered_record_is_a_mismatch_and_a_missing_contribution_unverifiable() -> None:
+    async def body(cluster: Cluster) -> None:
+        synchronizer, learners = roles(cluster, 0)
+        snapshot = learners[0].state.export_fragment(0)
+        await honest_round_zero(cluster)
+        record = learners[0].replicas.committed(0, 0)
+        contributions = synchronizer.sync.kept.get(0, 0)
+        auditing(learners[0], 1.0)
+        auditor = learners[0].replicas.auditor
+        chain = {}
+        assert auditor.check(record, contributions, snapshot, chain).verdict == OK
+        heavier = tuple((p, w * 1.5, t) for p, w, t in record.contributors)
+        assert auditor.check(dataclasses.replace(record, contributors=heavier), contributions, snapshot, chain).verdict == MISMATCH
+        assert auditor.check(dataclasses.replace(record, hash="f" * 32), contributions, snapshot, chain).verdict == MISMATCH
+        assert auditor.check(record, contributions[:1], snapshot, chain).verdict == "unverifiable"
+        moved = dataclasses.replace(snapshot, hash="other")
+        assert auditor.check(record, contributions, moved, chain).verdict == "unverifiable"
+
+    scenario(3, body)
