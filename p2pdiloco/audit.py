@@ -81,7 +81,7 @@ def audit_round(
     """Recompute `record`'s merge from `contributions` on `snapshot` (the parent state)."""
     if snapshot.hash != record.parent or snapshot.round != record.round:
         return AuditResult(UNVERIFIABLE, "the state at hand is not the round's parent")
-    history = history_from(chain, record.round, record.history_from)
+    history = history_from(chain, record.round, record.history_from, rules.history_rounds)
     if history is None:
         return AuditResult(UNVERIFIABLE, "the chain history the record used is not known here")
     by_digest = {contribution_digest(s): s for s in contributions}

@@ -414,6 +414,26 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # --- dashboard and status ----------------------------------------------------------------
 
 
+def observer_config(args: argparse.Namespace):
+    """(config, admission) of a peer that only watches or audits a run: the manifest's
+    when the run has one, else --config/--set; initial peers resolved."""
+    from p2pdiloco.manifest import find_manifest, joined_config
+    from p2pdiloco.trust import Admission
+
+    config = config_from_args(args)
+    manifest = find_manifest(config.peer)
+    admission = Admission()
+    if manifest is not None:
+        config = joined_config(manifest, [*args.overrides, *_peer_shortcuts(args)])
+        admission = manifest.admission()
+        if not config.peer.initial_peers and manifest.bootstrap:
+            config = dataclasses.replace(
+                config, peer=dataclasses.replace(config.peer, initial_peers=manifest.bootstrap)
+            )
+    peer = _with_initial_peers(config.peer, new_run=False)
+    return dataclasses.replace(config, peer=peer), admission
+
+
 def _watched(args: argparse.Namespace) -> tuple[PeerConfig, int]:
     """Whom a watcher joins through (`[peer]`, initial peers resolved) and how many fragments."""
     config = config_from_args(args)
@@ -551,6 +571,23 @@ def _add_join_flags(join: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_watch_flags(watcher: argparse.ArgumentParser) -> None:
+    """How an observer (dashboard, status, audit) finds a run."""
+    _add_peer_flag(watcher, "--run", "run name (reads bootstrap_peers/<run>.txt)")
+    _add_peer_flag(
+        watcher, "--initial-peers", "multiaddrs to bootstrap from", nargs="*", metavar="MULTIADDR"
+    )
+    _add_peer_flag(watcher, "--bootstrap-file", "bootstrap file (default bootstrap_peers/<run>.txt)")
+    _add_peer_flag(watcher, "--manifest", "signed run manifest (default bootstrap_peers/<run>.toml)")
+    _add_peer_flag(
+        watcher,
+        "--timeout-s",
+        "give up joining the DHT after this long (s)",
+        "startup_timeout_s",
+        type=float,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="p2pdiloco", description="Peer-to-peer Decoupled DiLoCo training.")
     parser.add_argument("--version", action="version", version=f"p2pdiloco {__version__}")
@@ -609,24 +646,7 @@ def build_parser() -> argparse.ArgumentParser:
     ]:
         watcher = sub.add_parser(name, help=help_text)
         _add_config_options(watcher)
-        _add_peer_flag(watcher, "--run", "run name (reads bootstrap_peers/<run>.txt)")
-        _add_peer_flag(
-            watcher,
-            "--initial-peers",
-            "multiaddrs to bootstrap from",
-            nargs="*",
-            metavar="MULTIADDR",
-        )
-        _add_peer_flag(
-            watcher, "--bootstrap-file", "bootstrap file (default bootstrap_peers/<run>.txt)"
-        )
-        _add_peer_flag(
-            watcher,
-            "--timeout-s",
-            "give up joining the DHT after this long (s)",
-            "startup_timeout_s",
-            type=float,
-        )
+        _add_watch_flags(watcher)
         if name == "dashboard":
             watcher.add_argument(
                 "--refresh-s", type=float, default=1.0, help="seconds between screen refreshes"
@@ -634,6 +654,10 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             watcher.add_argument("--json", action="store_true", help="machine-readable output")
         watcher.set_defaults(handler=handler)
+
+    from p2pdiloco.runs import add_commands
+
+    add_commands(sub, _add_config_options, _add_watch_flags)
 
     config = sub.add_parser("config", help="print the effective run config as TOML")
     _add_config_options(config)

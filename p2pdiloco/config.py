@@ -24,7 +24,7 @@ from p2pdiloco.screening import ScreeningRules
 
 MODEL_PRESETS = ("tiny", "small", "150m", "1b")
 DEVICES = ("auto", "cpu", "cuda", "mps", "xla")
-MERGE_RULES = ("mean", "token", "radial")
+MERGE_RULES = ("mean", "token", "radial", "trimmed")
 RADIAL_NORMS = ("mean", "median")
 ON_RECEIVE = ("overwrite", "rebase", "mix")
 CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "fp4", "topk")
@@ -146,7 +146,10 @@ class OuterConfig:
     nesterov: bool = True
     """Nesterov momentum (True) or heavy-ball (False)."""
     merge: str = "token"
-    """Merge rule: mean, token (token-weighted mean) or radial (radial-directional)."""
+    """Merge rule: mean, token (token-weighted mean), radial (radial-directional) or trimmed
+    (coordinate-wise trimmed mean, robust to a minority of outliers per coordinate)."""
+    trim_fraction: float = 0.2
+    """Share of the deltas dropped at each end of every coordinate by the trimmed rule."""
     max_weight_share: float = 0.5
     """No learner gets more than this share of the total merge weight (1.0 = no cap)."""
     radial_norm: str = "mean"
@@ -163,6 +166,11 @@ class OuterConfig:
             self.merge in MERGE_RULES,
             "outer.merge",
             f"must be one of {MERGE_RULES}, got {self.merge!r}",
+        )
+        _check(
+            0.0 <= self.trim_fraction < 0.5,
+            "outer.trim_fraction",
+            f"must be in [0, 0.5), got {self.trim_fraction}",
         )
         _check(
             0.0 < self.max_weight_share <= 1.0,

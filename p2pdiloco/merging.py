@@ -29,8 +29,6 @@ from p2pdiloco.screening import (
     screen,
 )
 
-HISTORY_ROUNDS = 8
-"""Recent rounds of the chain whose accepted norms and tokens set the clip and token bounds."""
 MAX_SEQUENCES_PER_STEP = 1024
 """A learner may claim at most this many sequences per inner step (bigger batches than the
 run's are allowed; the token history bounds claims far more tightly)."""
@@ -42,10 +40,11 @@ def max_tokens_per_step(config: RunConfig) -> int:
     return config.model.seq_len * MAX_SEQUENCES_PER_STEP
 
 
-def history_of(chain: Mapping[int, RoundRecord], round_id: int) -> tuple[History, int]:
-    """(history, first round used) for a window of `round_id`; (empty, -1) when the chain
-    lacks one of the rounds (a joiner whose records expired), so both sides agree."""
-    first = max(0, round_id - HISTORY_ROUNDS)
+def history_of(chain: Mapping[int, RoundRecord], round_id: int, depth: int) -> tuple[History, int]:
+    """(history, first round used) for a window of `round_id`: the accepted norms and tokens
+    of the `depth` rounds before it; (empty, -1) when the chain lacks one of those rounds
+    (a joiner whose records expired), and the record says so, so both sides agree."""
+    first = max(0, round_id - depth)
     rounds = range(first, round_id)
     if not rounds or any(r not in chain for r in rounds):
         return History(), -1
@@ -58,13 +57,15 @@ def history_of(chain: Mapping[int, RoundRecord], round_id: int) -> tuple[History
     return History(tuple(norms), tuple(tokens)), first
 
 
-def history_from(chain: Mapping[int, RoundRecord], round_id: int, first: int) -> History | None:
+def history_from(
+    chain: Mapping[int, RoundRecord], round_id: int, first: int, depth: int
+) -> History | None:
     """The history a record says it used (`first`: its `history_from`), None if unknown here."""
     if first < 0:
         return History()
-    if first != max(0, round_id - HISTORY_ROUNDS):
+    if first != max(0, round_id - depth):
         return None
-    history, used = history_of(chain, round_id)
+    history, used = history_of(chain, round_id, depth)
     return history if used == first else None
 
 
@@ -108,9 +109,12 @@ def merge_round(
     if not screening.kept:
         return RoundMerge(ordered, screening, None, None)
     embeddings = frozenset(n for n in params if n.startswith("embed."))
-    merged = merge_screened(
-        ordered, screening, outer.merge, norm=outer.radial_norm, plain_mean_names=embeddings
-    )
+    if outer.merge == "trimmed":
+        merged = merge_screened(ordered, screening, "trimmed", trim_fraction=outer.trim_fraction)
+    else:
+        merged = merge_screened(
+            ordered, screening, outer.merge, norm=outer.radial_norm, plain_mean_names=embeddings
+        )
     encoded = {name: outer_codec.encode(t) for name, t in merged.items()}
     decoded = {name: compress.decode_tensor(e) for name, e in encoded.items()}
     return RoundMerge(ordered, screening, encoded, decoded)

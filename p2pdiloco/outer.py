@@ -276,13 +276,19 @@ def merge(
     weights: Sequence[float],
     **radial_options: object,
 ) -> Params:
-    """Dispatch on `outer.merge`: mean (ignores weights), token (weighted mean) or radial."""
+    """Dispatch on `outer.merge`: mean (ignores weights), token (weighted mean), radial or
+    trimmed (coordinate-wise trimmed mean, `trim_fraction`; ignores weights)."""
     if rule == "mean":
         return merge_mean(deltas)
     if rule == "token":
         return merge_weighted(deltas, weights)
     if rule == "radial":
-        return merge_radial(deltas, weights, **radial_options)  # type: ignore[arg-type]
+        options = {k: v for k, v in radial_options.items() if k != "trim_fraction"}
+        return merge_radial(deltas, weights, **options)  # type: ignore[arg-type]
+    if rule == "trimmed":
+        from p2pdiloco.screening import trimmed_mean  # screening builds on this module
+
+        return trimmed_mean(deltas, float(radial_options.get("trim_fraction", 0.2)))  # type: ignore[arg-type]
     raise ValueError(f"unknown merge rule {rule!r}")
 
 

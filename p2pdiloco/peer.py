@@ -118,7 +118,7 @@ class PeerDaemon:
         """Join, train, leave. Returns an exit code (0: clean)."""
         self.ranks = join_ranks(self.config.train.device)  # torchrun: one learner, N processes
         if self.ranks is not None and not self.ranks.is_lead:
-            return follow_lead(self.ranks, self.config, self.options)  # steps only; no network
+            return follow_lead(self.ranks, self.config)  # steps only; no network
         self._loop_thread.start()
         try:
             self._on_loop(self.transport.start(), self.options.startup_timeout_s + 30)

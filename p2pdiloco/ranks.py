@@ -5,7 +5,8 @@ is the peer: it joins the DHT, synchronises when elected and runs the learner lo
 Every other rank only takes inner steps beside it (`follow_lead`). DDP all-reduces the
 gradients (gloo on the CPU, nccl on CUDA), so every rank holds the same parameters and
 rank 0 takes the delta from them: the learner's delta is that of one replica trained on
-N times the batch, and it claims N times its per-rank tokens in the merge weights.
+N times the batch, and it claims N times its per-rank tokens in the merge weights
+(synchronizers bound every claim by `screening.token_factor` times the median claim).
 
 Rank 0 writes into its parameters from outside a step (a received global fragment, a
 reset after divergence, a checkpoint). So before every step it broadcasts a header (stop?
@@ -24,7 +25,6 @@ import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -36,9 +36,6 @@ from p2pdiloco.data import BatchStream, Corpus, concatenate
 from p2pdiloco.errors import ConfigError, DeviceError
 from p2pdiloco.model import build_model
 from p2pdiloco.train import InnerTrainer, StepResult, resolve_device
-
-if TYPE_CHECKING:
-    from p2pdiloco.peer import PeerOptions
 
 log = logging.getLogger(__name__)
 
@@ -290,19 +287,19 @@ class RankedTrainer(InnerTrainer):
         }
 
 
-def follow_lead(group: RankGroup, config: RunConfig, options: PeerOptions) -> int:
+def follow_lead(group: RankGroup, config: RunConfig) -> int:
     """The life of a rank other than 0: take inner steps beside rank 0 until it stops.
 
     Builds what `PeerDaemon._build` builds for training, in the same order of collectives
     (data rank, then DDP), and nothing of the network. Returns an exit code.
     """
-    if options.torch_threads > 0:
-        torch.set_num_threads(options.torch_threads)
+    if config.peer.torch_threads > 0:
+        torch.set_num_threads(config.peer.torch_threads)
     model = build_model(
         config.model.preset, seed=config.train.seed, max_seq_len=config.model.seq_len
     )
     corpus = Corpus.from_config(config.data)
-    batches = group.batches(corpus, 0, options.data_shards, config)
+    batches = group.batches(corpus, 0, config.peer.data_shards, config)
     trainer = group.trainer(model, config.train)
     steps = 0
     while group.follow(trainer):

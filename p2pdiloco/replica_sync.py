@@ -348,7 +348,7 @@ class ReplicaSync:
             return False
         if self._should_audit(record):
             snapshot = self.state.export_fragment(record.fragment)
-            result = await self._audit(record, snapshot)
+            result = await self.audit(record, snapshot)
             if result.verdict == MISMATCH:
                 await self._convict(record, result.reason)
                 return False
@@ -416,7 +416,7 @@ class ReplicaSync:
         items = decode_contribution_list(raw, max(expected, 1), self.limits.max_frame_bytes)
         return None if isinstance(items, str) else items
 
-    async def _audit(self, record: RoundRecord, snapshot: FragmentState) -> AuditResult:
+    async def audit(self, record: RoundRecord, snapshot: FragmentState) -> AuditResult:
         """Recompute `record`'s merge on `snapshot` (its parent state); never raises."""
         contributions = await self.fetch_contributions(record)
         if contributions is None:
@@ -481,7 +481,7 @@ class ReplicaSync:
             if snapshot is None:
                 log.warning("fraud notice round=%d by=%s: parent state unavailable, not verified", notice.round, notice.auditor[-8:])
                 continue
-            result = await self._audit(record, snapshot)
+            result = await self.audit(record, snapshot)
             if result.verdict == MISMATCH:
                 await self._convict(record, f"verified notice of {notice.auditor[-8:]}: {result.reason}")
                 await self.sync_fragment(record.fragment)

@@ -116,8 +116,20 @@ def cmd_audit(args: argparse.Namespace) -> int:
     """Audit the next round of a live run; exit 0 ok, 1 proven false, 3 unverifiable."""
     from p2pdiloco.audit import MISMATCH, OK
     from p2pdiloco.auditing import audit_next_round
+    from p2pdiloco.cli import observer_config
+    from p2pdiloco.peer import make_transport_for
 
-    result, record = asyncio.run(audit_next_round(args))
+    config, admission = observer_config(args)
+    transport = make_transport_for(dataclasses.replace(config.peer, client_mode=True))
+
+    async def audit():
+        await transport.start()
+        try:
+            return await audit_next_round(transport, config, admission, args.fragment, args.wait_s)
+        finally:
+            await transport.shutdown()
+
+    result, record = asyncio.run(audit())
     report = {
         "verdict": result.verdict,
         "reason": result.reason,

@@ -503,7 +503,9 @@ class Synchronizer:
         """
         m = window.machine
         snapshot = self.state.export_fragment(m.fragment)
-        history, history_first = history_of(self.replicas.chains[m.fragment], m.round)
+        history, history_first = history_of(
+            self.replicas.chains[m.fragment], m.round, self.screening_rules.history_rounds
+        )
         result = merge_round(
             list(window.candidates.values()),
             history=history,

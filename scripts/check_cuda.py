@@ -115,6 +115,8 @@ def run_swarm(preset: str, device_name: str, steps: int) -> dict:
     """A one-peer swarm as a child process: tokens/s between log points after warm-up."""
     argv = [sys.executable, "-m", "p2pdiloco", "join", "--new-run", "--events"]
     argv += ["--eval-batches", "0", "--max-steps", str(steps + 2 * WARMUP_STEPS)]
+    if device_name == "cpu":
+        argv += ["--threads", "1"]  # as the lone run: one core each, comparable
     for item in run_sets(preset, device_name):
         argv += ["--set", item]
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
@@ -151,6 +153,8 @@ def main() -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("check_cuda skipped: no CUDA GPU is visible here (nothing to measure)")
         return 0
+    if args.device == "cpu":
+        torch.set_num_threads(1)
     results = {}
     try:
         for preset in args.presets.split(","):

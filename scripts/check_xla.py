@@ -3,7 +3,7 @@
 Run it with the interpreter of the XLA environment (`scripts/setup_xla_env.sh`); on a
 machine without a TPU, XLA's CPU backend stands in (PJRT_DEVICE=CPU, the default here):
 
-    /work/xla-venv/bin/python scripts/check_xla.py [--json out/xla.json]
+    VENV/bin/python scripts/check_xla.py [--quick] [--json out/xla.json]
     PJRT_DEVICE=TPU python scripts/check_xla.py            # on a TPU VM
 
 It starts a bootstrap node and two tiny learners on 127.0.0.1, one with
@@ -192,9 +192,12 @@ def run_check(args: argparse.Namespace) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=12, help="rounds per fragment")
+    parser.add_argument("--quick", action="store_true", help="6 rounds per fragment")
     parser.add_argument("--cpu-python", default=sys.executable, help="interpreter of the CPU peer")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
+    if args.quick:
+        args.rounds = 6
     os.environ.setdefault("PJRT_DEVICE", "CPU")  # XLA's CPU backend unless told otherwise
     try:
         import torch_xla  # noqa: F401

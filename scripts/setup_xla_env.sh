@@ -13,13 +13,15 @@ cd "$(dirname "$0")/.."
 VENV=${1:-${XLA_VENV:-$HOME/.cache/p2pdiloco/xla-venv}}
 PYTHON=${PYTHON:-python3.11}
 TORCH_XLA_VERSION=${TORCH_XLA_VERSION:-2.9.0}
+TORCH_XLA_EXTRAS=${TORCH_XLA_EXTRAS:-}  # "tpu" on a TPU VM (adds libtpu)
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 if [[ ! -x "$VENV/bin/python" ]]; then
   "$PYTHON" -m venv "$VENV"
 fi
 if ! "$VENV/bin/python" -c "import torch_xla" 2>/dev/null; then
-  "$VENV/bin/pip" install -q "torch==$TORCH_XLA_VERSION" "torch_xla==$TORCH_XLA_VERSION"
+  "$VENV/bin/pip" install -q "torch==$TORCH_XLA_VERSION" \
+    "torch_xla${TORCH_XLA_EXTRAS:+[$TORCH_XLA_EXTRAS]}==$TORCH_XLA_VERSION"
 fi
 # The project's range for torch admits this one, so pip keeps it; the rest are its deps.
 "$VENV/bin/pip" install -q -e . pytest pytest-timeout

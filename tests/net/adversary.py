@@ -1,0 +1,332 @@
+"""An attacker peer for networked tests: it joins a run's DHT and performs the attacks named
+on its command line against the honest peers, reporting each as one JSON line.
+
+    python tests/net/adversary.py --run RUN --initial-peer MADDR... --victims ID,ID
+        --attacks forged_heartbeats,plain_values,fake_members,forged_records,bad_contributions,state_flood
+
+It is built on the project's own transport (with no record rules, so its own DHT node
+keeps whatever it writes) and on the stock hivemind DHT under it for plain values, as a
+stranger's program would. Prints `{"ready": true, ...}`, then one result per attack, then
+`{"done": true}`, and stays in the DHT until stdin closes (its junk stays reachable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from typing import Any
+
+import msgpack
+import torch
+
+from p2pdiloco import compress, messages, wire
+from p2pdiloco.contributions import (
+    decode_contribution_list,
+    encode_audit_request,
+    seal_contribution,
+)
+from p2pdiloco.identity import Identity
+from p2pdiloco.membership import (
+    PROTOCOL_VERSION,
+    Heartbeat,
+    heartbeat_domain,
+    members_key,
+    open_heartbeat,
+)
+from p2pdiloco.rounds import RoundRecord, record_subkey, rounds_key, seal_record
+from p2pdiloco.transport import make_transport
+
+FAR_FUTURE_S = 10**6
+
+
+def emit(event: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
+
+
+class Adversary:
+    def __init__(self, transport, run: str, victims: list[str]) -> None:
+        self.transport = transport
+        self.run = run
+        self.victims = victims
+        self.stolen = b""
+
+    @property
+    def me(self) -> Identity:
+        return self.transport.identity
+
+    async def forged_heartbeats(self) -> dict:
+        """Heartbeats in the victims' names: leaving, client mode, far-future expiry."""
+        stored = []
+        for victim in self.victims:
+            beat = Heartbeat(peer_id=victim, status="leaving", client_mode=True, config_hash="x")
+            forged = self.me.seal(heartbeat_domain(self.run), beat.encode())
+            unsigned = beat.encode()
+            for value in (forged, unsigned):
+                stored.append(
+                    await self.transport.store(
+                        members_key(self.run), victim, value, self.transport.now() + FAR_FUTURE_S
+                    )
+                )
+        # a malformed but self-signed beat: rounds=[inf], config_hash=5
+        data = msgpack.unpackb(Heartbeat(peer_id=self.me.peer_id).encode(), raw=False)
+        data.update(rounds=[float("inf")], config_hash=5, protocol=PROTOCOL_VERSION)
+        raw = self.me.seal(heartbeat_domain(self.run), msgpack.packb(data, use_bin_type=True))
+        stored.append(
+            await self.transport.store(
+                members_key(self.run), self.me.peer_id, raw, self.transport.now() + 60
+            )
+        )
+        return {"stored": stored}
+
+    async def plain_values(self) -> dict:
+        """What a stock hivemind client can do: a plain value over a whole dictionary key."""
+        dht = self.transport._dht  # the hivemind DHT under our transport
+        results = []
+        for key in (members_key(self.run), rounds_key(self.run, 0)):
+            future = dht.store(
+                key, b"plain", self.transport.now() + FAR_FUTURE_S, return_future=True
+            )
+            results.append(bool(await asyncio.wrap_future(future)))
+        return {"stored": results}
+
+    async def fake_members(self, count: int = 1000) -> dict:
+        beat = self.me.seal(heartbeat_domain(self.run), Heartbeat(peer_id=self.me.peer_id).encode())
+        stored = 0
+        for start in range(0, count, 100):
+            batch = [
+                self.transport.store(
+                    members_key(self.run), f"fake-{i}", beat, self.transport.now() + 600
+                )
+                for i in range(start, min(count, start + 100))
+            ]
+            stored += sum(await asyncio.gather(*batch))
+        return {"stored": stored}
+
+    async def forged_records(self) -> dict:
+        """Round records far in the future (signed by us) and one in a victim's name."""
+        stored = []
+        parent = "f" * 32
+        for round_id in range(1000, 1005):
+            record = RoundRecord(
+                round=round_id,
+                fragment=0,
+                synchronizer=self.me.peer_id,
+                hash=f"{round_id:032x}",
+                parent=parent,
+                digest="d" * 32,
+                closed_at=self.transport.now(),
+            )
+            parent = record.hash
+            stored.append(
+                await self.transport.store(
+                    rounds_key(self.run, 0),
+                    record_subkey(round_id, self.me.peer_id),
+                    seal_record(self.me, self.run, record),
+                    self.transport.now() + 3000,
+                )
+            )
+        victim = self.victims[0]
+        lie = RoundRecord(
+            round=0, fragment=0, synchronizer=victim, hash="e" * 32, parent="0" * 32, closed_at=0.0
+        )
+        stored.append(
+            await self.transport.store(
+                rounds_key(self.run, 0),
+                record_subkey(0, victim),
+                self.me.seal(f"round/{self.run}", lie.encode()),
+                self.transport.now() + 3000,
+            )
+        )
+        return {"stored": stored}
+
+    async def _contribute(self, victim: str, request: bytes) -> str:
+        try:
+            raw = await self.transport.call(
+                victim, f"{self.run}.{messages.RPC_CONTRIBUTE}", request, timeout_s=30
+            )
+        except Exception as exc:  # noqa: BLE001 - report what the victim did
+            return f"error:{type(exc).__name__}: {str(exc)[:200]}"
+        reply = messages.decode_reply(raw, wire.WireLimits())
+        return "undecodable" if isinstance(reply, wire.Rejected) else str(reply.meta.get("status"))
+
+    async def _current_round(self) -> int:
+        """The swarm's round of fragment 0, as the victims' own heartbeats say."""
+        records = await self.transport.get(members_key(self.run))
+        rounds = [0]
+        for subkey, (raw, _) in records.items():
+            beat = open_heartbeat(self.run, subkey, raw)
+            if not isinstance(beat, str) and beat.peer_id in self.victims and beat.rounds:
+                rounds.append(beat.rounds[0])
+        return max(rounds)
+
+    def _frame(self, round_id: int, meta: dict, shape: tuple[int, ...] = (4,)) -> bytes:
+        tensors = compress.encode_tensors(compress.make_codec("fp32"), {"w": torch.ones(shape)})
+        message = wire.Message(
+            kind=wire.CONTRIBUTION,
+            run=self.run,
+            round=round_id,
+            fragment=0,
+            meta={
+                "peer": self.me.peer_id,
+                "base_round": round_id,
+                "tokens": 64,
+                "steps": 2,
+                **meta,
+            },
+            tensors=tensors,
+        )
+        return wire.encode_message(message)
+
+    async def _stolen_contribution(self) -> bytes:
+        """An honest learner's signed contribution, fetched as any auditor may."""
+        current = await self._current_round()
+        for round_id in range(current - 1, max(-1, current - 8), -1):
+            for victim in self.victims:
+                try:
+                    raw = await self.transport.call(
+                        victim,
+                        f"{self.run}.{messages.RPC_GET_CONTRIBUTIONS}",
+                        encode_audit_request(round_id, 0),
+                        timeout_s=30,
+                    )
+                except Exception:  # noqa: BLE001 - not kept there: try the next one
+                    continue
+                kept = decode_contribution_list(raw, 64, 1 << 26)
+                if not isinstance(kept, str) and kept:
+                    return kept[0]
+        return b"none stolen"
+
+    def _cases(self, round_id: int) -> dict[str, bytes]:
+        frame = self._frame(round_id, {})
+        domain = f"contribution/{self.run}"
+        return {
+            "replayed": self.stolen,
+            "unsigned": frame,
+            "forged_signature": Identity.generate().seal(domain, frame),
+            "junk": self.me.seal(domain, b"\x00" * 64),
+            "wrong_layout": seal_contribution(
+                self.me, self.run, self._frame(round_id, {}, shape=(3, 3))
+            ),
+            "nan_meta": seal_contribution(
+                self.me, self.run, _with_meta(frame, step_time_s=float("nan"))
+            ),
+            "shape_bomb": seal_contribution(
+                self.me, self.run, _shape_bomb(self.run, self.me.peer_id, round_id)
+            ),
+        }
+
+    async def bad_contributions(self) -> dict:
+        """A replayed honest one, unsigned, forged, junk, wrong-layout, NaN-meta and shape-bomb contributions, each
+        for the round the swarm is in (tried again when that round closed meanwhile)."""
+        self.stolen = await self._stolen_contribution()
+        replies: dict[str, list[str]] = {}
+        for name in self._cases(0):
+            replies[name] = []
+            for victim in self.victims:
+                for _ in range(5):
+                    reply = await self._contribute(
+                        victim, self._cases(await self._current_round())[name]
+                    )
+                    if reply not in (messages.LATE, messages.BEHIND):
+                        break
+                replies[name].append(reply)
+        return {"replies": replies}
+
+    async def state_flood(self, count: int = 30) -> dict:
+        request = wire.encode_message(
+            wire.Message(
+                kind=wire.STATE_REQUEST,
+                run=self.run,
+                round=0,
+                fragment=0,
+                meta={"peer": self.me.peer_id},
+            )
+        )
+        refused = 0
+        for _ in range(count):
+            try:
+                raw = await self.transport.call(
+                    self.victims[0],
+                    f"{self.run}.{messages.RPC_GET_STATE}",
+                    request,
+                    timeout_s=30,
+                    max_response_bytes=1 << 30,
+                )
+            except Exception:  # noqa: BLE001
+                continue
+            reply = messages.decode_reply(raw, wire.WireLimits())
+            if (
+                not isinstance(reply, wire.Rejected)
+                and reply.meta.get("status") == messages.REJECTED
+            ):
+                refused += 1
+        return {"requests": count, "refused": refused}
+
+
+def _rewrite_header(frame: bytes, edit) -> bytes:
+    """`frame` with its msgpack header changed by `edit`, written by hand (our encoder
+    refuses such frames): magic, u32 little-endian header length, header, payloads."""
+    size = int.from_bytes(frame[4:8], "little")
+    header = msgpack.unpackb(frame[8 : 8 + size], raw=False)
+    edit(header)
+    packed = msgpack.packb(header, use_bin_type=True)
+    return frame[:4] + len(packed).to_bytes(4, "little") + packed + frame[8 + size :]
+
+
+def _with_meta(frame: bytes, **meta: Any) -> bytes:
+    return _rewrite_header(frame, lambda header: header["meta"].update(meta))
+
+
+def _shape_bomb(run: str, peer: str, round_id: int) -> bytes:
+    """A ~200-byte top-k frame declaring 2^28 elements (1 GiB decoded)."""
+    tiny = wire.encode_message(
+        wire.Message(
+            kind=wire.CONTRIBUTION,
+            run=run,
+            round=round_id,
+            fragment=0,
+            meta={"peer": peer, "base_round": round_id, "tokens": 64, "steps": 2},
+            tensors=compress.encode_tensors(
+                compress.make_codec("topk", topk_fraction=0.5), {"w": torch.ones(4)}
+            ),
+        )
+    )
+
+    def bomb(header: dict) -> None:
+        header["tensors"][0]["shape"] = [1 << 28]
+
+    return _rewrite_header(tiny, bomb)
+
+
+async def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run", required=True)
+    parser.add_argument("--initial-peer", action="append", default=[])
+    parser.add_argument("--victims", required=True)
+    parser.add_argument("--attacks", required=True)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    transport = make_transport("hivemind", initial_peers=args.initial_peer, startup_timeout_s=90)
+    await transport.start()
+    try:
+        emit({"ready": True, "peer_id": transport.peer_id, "maddrs": transport.visible_maddrs()})
+        adversary = Adversary(transport, args.run, args.victims.split(","))
+        for attack in args.attacks.split(","):
+            try:
+                result = await getattr(adversary, attack)()
+            except Exception as exc:  # noqa: BLE001 - report, go on with the next attack
+                result = {"error": f"{type(exc).__name__}: {exc}"}
+            emit({"attack": attack, **result})
+        emit({"done": True})
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    finally:
+        await transport.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

@@ -1,0 +1,109 @@
+"""The run manifest and the operator commands: sign, certify, verify, pin, join config."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from p2pdiloco.cli import main
+from p2pdiloco.config import load_config
+from p2pdiloco.identity import Identity, load_identity, save_identity
+from p2pdiloco.manifest import (
+    ManifestError,
+    find_manifest,
+    joined_config,
+    parse_manifest,
+    pin_operator,
+    read_manifest,
+)
+from p2pdiloco.trust import read_certificate
+
+RUN_SETS = ["--set", "model.preset='tiny'", "--set", "sync.inner_steps=10"]
+
+
+@pytest.fixture
+def operator_run(tmp_path, monkeypatch):
+    """`run init` in a fresh folder (HOME for pins there too); returns (manifest, key)."""
+    monkeypatch.setenv("P2PDILOCO_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    key = tmp_path / "operator.key"
+    assert main(["run", "init", "demo-run", "--operator-key", str(key), *RUN_SETS]) == 0
+    return tmp_path / "bootstrap_peers" / "demo-run.toml", key
+
+
+def test_init_writes_a_signed_manifest_with_the_run_config(operator_run) -> None:
+    path, key = operator_run
+    manifest = read_manifest(path)
+    assert manifest.operator == load_identity(key).peer_id
+    assert manifest.synchronizers == "certified" and manifest.learners == "open"
+    config = manifest.config()
+    assert config.model.preset == "tiny" and config.sync.inner_steps == 10
+    assert "[peer]" not in manifest.config_text
+
+
+def test_certify_adds_a_certificate_for_the_peer_and_keeps_the_signature_valid(operator_run, capsys) -> None:
+    path, key = operator_run
+    peer = Identity.generate().peer_id
+    assert main(["run", "certify", str(path), "--operator-key", str(key), "--peer", peer, "--days", "2"]) == 0
+    manifest = read_manifest(path)
+    (cert,) = manifest.certificates_of(peer)
+    assert read_certificate(cert, manifest.operator, "demo-run").role == "synchronizer"
+    assert main(["run", "show", str(path)]) == 0
+    assert peer in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("inner_steps = 10", "inner_steps = 11"),  # the config
+        ('synchronizers = "certified"', 'synchronizers = "open"'),  # the admission rules
+    ],
+)
+def test_a_tampered_manifest_is_one_clear_error(operator_run, capsys, old, new) -> None:
+    path, _ = operator_run
+    path.write_text(path.read_text().replace(old, new))
+    with pytest.raises(ManifestError, match="signature does not match"):
+        read_manifest(path)
+    code = main(["join", "--manifest", str(path), "--run", "demo-run"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "signature does not match" in err[0]
+
+
+def test_a_manifest_signed_by_another_key_is_refused_after_the_first_use(operator_run) -> None:
+    path, _ = operator_run
+    manifest = read_manifest(path)
+    pin_operator(manifest)
+    impostor = Identity.generate()
+    forged = dataclasses.replace(manifest, operator=impostor.peer_id)
+    with pytest.raises(ManifestError, match="signed by operator"):
+        pin_operator(forged)
+    pin_operator(manifest)  # the known operator still passes
+
+
+def test_resigning_after_an_edit_needs_the_operator_key(operator_run, tmp_path, capsys) -> None:
+    path, key = operator_run
+    path.write_text(path.read_text().replace("inner_steps = 10", "inner_steps = 12"))
+    other = tmp_path / "other.key"
+    save_identity(Identity.generate(), other)
+    assert main(["run", "sign", str(path), "--operator-key", str(other)]) == 2
+    assert "names operator" in capsys.readouterr().err
+    assert main(["run", "sign", str(path), "--operator-key", str(key)]) == 0
+    assert read_manifest(path).config().sync.inner_steps == 12
+
+
+def test_a_joining_peer_may_change_only_its_own_settings(operator_run) -> None:
+    path, _ = operator_run
+    manifest = read_manifest(path)
+    config = joined_config(manifest, ["peer.port=4100", "train.device='cpu'", "data.max_files=3"])
+    assert config.peer.port == 4100 and config.peer.run == "demo-run"
+    with pytest.raises(ManifestError, match="takes its config from its manifest"):
+        joined_config(manifest, ["sync.inner_steps=99"])
+    found = find_manifest(dataclasses.replace(load_config(None).peer, run="demo-run"))
+    assert found == manifest
+
+
+def test_junk_manifests_are_errors_not_crashes() -> None:
+    for text in ["", "[run]\nname = 5", "x = [", "[run]\nname='a'\noperator='b'\nconfig=''\ncertificates=['!!']"]:
+        with pytest.raises(ManifestError):
+            parse_manifest(text)
