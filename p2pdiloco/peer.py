@@ -146,7 +146,9 @@ class PeerDaemon:
                 self.rounds_reached,
                 every_step=self._maybe_checkpoint,
             )
-            self._finish_in_flight()
+            # Asked to leave (Ctrl-C): a short wait, the user is waiting; at the end of
+            # the run: longer, the last round may still close.
+            self._finish_in_flight(10.0 if self.stop_event.is_set() else 30.0)
             self._checkpoint()
             self.emit({"event": "summary", **self.summary()})
             return 0

@@ -3,24 +3,31 @@
 A 3-peer run trains; an attacker joins its DHT (tests/net/adversary.py) and forges
 heartbeats and round records in the honest peers' names, overwrites whole keys with plain
 values, adds 1000 fake members, floods `get_state`, and sends replayed, unsigned, forged,
-junk, wrong-layout, NaN-meta and shape-bomb contributions. Then: no honest peer crashed, every attack was
-refused (never merged), the forged records changed nobody's view, and the run went on
+junk, wrong-layout, NaN-meta and shape-bomb contributions. Then: no honest peer
+crashed, every attack was refused, the forged records changed nobody's view, and the run went on
 closing rounds with identical replicas and every honest learner still a member.
+
+A Byzantine learner (tests/net/byzantine.py: the real peer, its contributions corrupted)
+sends x1000, sign-flipped, token-inflated and stale deltas among three honest learners:
+screening refuses the first two, caps the third's weight, and the model keeps learning.
 """
 
 from __future__ import annotations
 
+import math
+import signal
 from pathlib import Path
 
 import pytest
 
-from .harness import start_peer_process
-from .swarm_util import Events, applied, start_bootstrap, start_learners, wait_all
+from .harness import start_peer_process, start_peer_processes
+from .swarm_util import Events, applied, join_args, start_bootstrap, start_learners, wait_all
 
 pytestmark = pytest.mark.timeout(900)
 
 ROUND_WAIT_S = 300
 ADVERSARY = Path(__file__).resolve().parent / "adversary.py"
+BYZANTINE = Path(__file__).resolve().parent / "byzantine.py"
 ATTACKS = "forged_heartbeats,plain_values,fake_members,forged_records,bad_contributions,state_flood"
 
 
@@ -30,15 +37,24 @@ def latest_round(log: Events) -> int:
 
 def test_a_strangers_attacks_are_refused_and_the_run_keeps_closing_rounds() -> None:
     boot = start_bootstrap()
-    peers = start_learners(3, boot.maddrs, sets=["sync.min_quorum=2"], flags=["--max-rounds", "9"])
+    peers = start_learners(
+        3, boot.maddrs, sets=["sync.min_quorum=2"], flags=["--max-rounds", "500"]
+    )
     logs = [Events(p) for p in peers]
     honest = sorted(p.peer_id for p in peers)
     wait_all(logs, applied(1), ROUND_WAIT_S)
 
     attacker = start_peer_process(
         [
-            str(ADVERSARY), "--run", "local", "--initial-peer", *boot.maddrs[:1],
-            "--victims", ",".join(honest), "--attacks", ATTACKS,
+            str(ADVERSARY),
+            "--run",
+            "local",
+            "--initial-peer",
+            *boot.maddrs[:1],
+            "--victims",
+            ",".join(honest),
+            "--attacks",
+            ATTACKS,
         ],
         ready_timeout_s=180,
     )
@@ -52,7 +68,9 @@ def test_a_strangers_attacks_are_refused_and_the_run_keeps_closing_rounds() -> N
         assert "error" not in result, (name, result)
     # no malicious contribution was ever merged or held by an honest synchronizer
     for case, replies in results["bad_contributions"]["replies"].items():
-        assert set(replies) == {"rejected"}, (case, replies)
+        # refused by every victim (a transport hiccup on one call is no acceptance)
+        assert "rejected" in replies, (case, replies)
+        assert all(r == "rejected" or r.startswith("error:") for r in replies), (case, replies)
     assert results["state_flood"]["refused"] >= 1
 
     # the run goes on: two more rounds after the attacks, on every peer
@@ -61,7 +79,7 @@ def test_a_strangers_attacks_are_refused_and_the_run_keeps_closing_rounds() -> N
     for log in logs:
         log.drain(quiet_s=1.0, max_s=5.0)
     # no honest peer died; replicas identical; nobody followed a forged record
-    assert all(p.poll() is None or p.returncode == 0 for p in peers)
+    assert all(p.popen.poll() is None for p in peers)
     tables = [log.hashes() for log in logs]
     for key in set.intersection(*(set(t) for t in tables)):
         assert len({t[key] for t in tables}) == 1, key
@@ -69,10 +87,79 @@ def test_a_strangers_attacks_are_refused_and_the_run_keeps_closing_rounds() -> N
     # the forged "leaving" heartbeats evicted nobody: every honest learner kept contributing
     closed = [e for log in logs for e in log.of("round_closed") if e["round"] > after]
     assert closed and set().union(*(e["contributors"] for e in closed)) == set(honest)
-    assert not any(attacker.peer_id in e["contributors"] for log in logs for e in log.of("round_closed"))
+    assert not any(
+        attacker.peer_id in e["contributors"] for log in logs for e in log.of("round_closed")
+    )
     # the DHT validators refused the forged values, and said so
     refusals = "".join(Path(p.stderr_path).read_text(errors="replace") for p in [boot, *peers])
     assert "dht_record_refused" in refusals
     attacker.stop()
-    for peer in peers:
-        assert peer.stop() == 0
+    for peer in peers:  # all at once, as an operator stopping the run would
+        peer.request_stop(signal.SIGTERM)
+    assert [peer.wait_exit(60) for peer in peers] == [0] * len(peers)
+
+
+def byzantine_modes(peer) -> dict[int, str]:
+    """Round -> how the Byzantine learner corrupted its contribution to it (from its log)."""
+    modes = {}
+    for line in Path(peer.stderr_path).read_text(errors="replace").splitlines():
+        if "byzantine mode=" in line:
+            fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
+            modes[int(fields["round"])] = fields["mode"]
+    return modes
+
+
+def test_a_byzantine_learner_is_screened_out_and_the_model_keeps_learning() -> None:
+    boot = start_bootstrap()
+    sets = ["sync.min_quorum=3", "sync.max_grace_s=20"]
+    honest_args = [
+        join_args(initial=boot.maddrs, sets=sets, flags=["--max-rounds", "10"]) for _ in range(3)
+    ]
+    evil_args = [
+        str(BYZANTINE),
+        "--modes",
+        "scale,flip,tokens,replay",
+        "--",
+        *join_args(initial=boot.maddrs, sets=sets)[3:],
+    ]
+    *peers, evil = start_peer_processes([*honest_args, evil_args], ready_timeout_s=240)
+    logs = [Events(p) for p in peers]
+    evil_log = Events(evil)
+    wait_all(logs, applied(8), ROUND_WAIT_S)
+    for log in [*logs, evil_log]:
+        log.drain(quiet_s=1.0, max_s=5.0)
+    modes = byzantine_modes(evil)
+    every = [e for log in [*logs, evil_log] for e in log.seen if e.get("fragment") == 0]
+    closed = {e["round"]: e for e in every if e["event"] == "round_closed"}
+    refused_at_door = {
+        e["round"] for e in every if e["event"] == "rejected" and e["peer"] == evil.peer_id
+    }
+    screened = {mode: 0 for mode in ("scale", "flip", "tokens")}
+    for round_id, mode in modes.items():
+        event = closed.get(round_id, {"contributors": [], "weights": [], "refused": []})
+        weights = dict(zip(event["contributors"], event["weights"], strict=True))
+        if mode in ("scale", "flip"):  # never merged, not even clipped
+            assert evil.peer_id not in weights, (round_id, mode, event)
+            if evil.peer_id in event["refused"] or round_id in refused_at_door:
+                screened[mode] += 1
+        if mode == "tokens" and evil.peer_id in weights:  # counted, but not its claim
+            honest = [w for p, w in weights.items() if p != evil.peer_id]
+            assert weights[evil.peer_id] <= 2.0 * max(honest) + 1e-9, (round_id, event)
+            screened[mode] += 1
+    assert all(screened.values()), (
+        screened,
+        modes,
+        refused_at_door,
+        {r: e["refused"] for r, e in closed.items()},
+    )
+    # the honest learners never diverged, agree bit for bit, and kept learning
+    for log in logs:
+        assert not log.of("local_reset")
+    tables = [log.hashes() for log in logs]
+    for key in set.intersection(*(set(t) for t in tables)):
+        assert len({t[key] for t in tables}) == 1, key
+    losses = [e["eval_loss"] for e in logs[0].of("eval") if e.get("eval_loss")]
+    assert losses and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+    for peer in [*peers, evil]:
+        peer.request_stop(signal.SIGTERM)
+    assert [peer.wait_exit(60) for peer in peers] == [0] * len(peers)
