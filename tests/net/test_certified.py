@@ -1,0 +1,105 @@
+"""A certified run, end to end: the operator's manifest decides who may synchronize.
+
+The operator runs `p2pdiloco run init` (certified synchronizers, open learners) and
+`run certify` for two peers; three learners join with `--manifest` and their own key
+files, the third without a certificate. Every round is closed by a certified peer, the
+uncertified one still learns and contributes, and its heartbeats (which carry no
+certificate) never get it elected.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from .harness import start_peer_processes, write_identity
+from .swarm_util import TINY_RUN, Events, applied, start_bootstrap, wait_all
+
+pytestmark = pytest.mark.timeout(900)
+
+ROUND_WAIT_S = 300
+PER_PEER = {"data.max_files", "train.batch_size", "train.device"}
+
+
+def p2pdiloco(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "p2pdiloco", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_only_certified_peers_synchronize_a_certified_run(tmp_path) -> None:
+    env = {**os.environ, "P2PDILOCO_HOME": str(tmp_path / "home")}
+    manifest, key = tmp_path / "certrun.toml", tmp_path / "operator.key"
+    run_sets = [
+        a for item in TINY_RUN if item.split("=")[0] not in PER_PEER for a in ("--set", item)
+    ]
+    made = p2pdiloco(
+        "run",
+        "init",
+        "certrun",
+        "--operator-key",
+        str(key),
+        "--out",
+        str(manifest),
+        *run_sets,
+        env=env,
+    )
+    assert made.returncode == 0, made.stderr
+    ids = [write_identity(tmp_path / f"peer{i}.key") for i in range(3)]
+    for peer in ids[:2]:
+        done = p2pdiloco(
+            "run", "certify", str(manifest), "--operator-key", str(key), "--peer", peer, env=env
+        )
+        assert done.returncode == 0, done.stderr
+
+    boot = start_bootstrap()
+    per_peer = [a for item in TINY_RUN if item.split("=")[0] in PER_PEER for a in ("--set", item)]
+    joins = [
+        [
+            "-m",
+            "p2pdiloco",
+            "join",
+            "--manifest",
+            str(manifest),
+            "--identity",
+            str(tmp_path / f"peer{i}.key"),
+            "--initial-peers",
+            *boot.maddrs,
+            "--events",
+            "--heartbeat-s",
+            "1",
+            "--threads",
+            "1",
+            "--max-rounds",
+            "500",
+            *per_peer,
+        ]
+        for i in range(3)
+    ]
+    peers = start_peer_processes(joins, ready_timeout_s=240, envs=[env] * 3)
+    assert [p.peer_id for p in peers] == ids
+    logs = [Events(p) for p in peers]
+    wait_all(logs, applied(8), ROUND_WAIT_S)  # were it ignored, the third closes 1 in 3
+    for log in logs:
+        log.drain(quiet_s=1.0, max_s=5.0)
+
+    certified, uncertified = set(ids[:2]), ids[2]
+    closers = {e["round"]: log.peer.peer_id for log in logs for e in log.of("round_closed")}
+    assert closers and set(closers.values()) <= certified, closers
+    assert not logs[2].of("round_closed")
+    contributors = set().union(*(e["contributors"] for log in logs for e in log.of("round_closed")))
+    assert uncertified in contributors  # open learners: it trains and is merged
+    tables = [log.hashes() for log in logs]
+    for key_ in set.intersection(*(set(t) for t in tables)):
+        assert len({t[key_] for t in tables}) == 1, key_
+    for peer in peers:
+        peer.request_stop(signal.SIGTERM)
+    assert [peer.wait_exit(60) for peer in peers] == [0, 0, 0]
