@@ -21,8 +21,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import random
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -44,6 +47,7 @@ from p2pdiloco.audit import (
 )
 from p2pdiloco.contributions import decode_contribution_list, encode_audit_request
 from p2pdiloco.membership import Heartbeat, synchronizer_candidates
+from p2pdiloco.outer import tensor_norm
 from p2pdiloco.ratelimit import RateLimiter
 from p2pdiloco.rounds import RoundRecord, canonical_chain, records_of, rounds_key
 from p2pdiloco.state import (
@@ -59,6 +63,20 @@ from p2pdiloco.trust import Admission
 from p2pdiloco.updates import Update, UpdateStore, parse_update
 
 log = logging.getLogger(__name__)
+
+SUSPICION_FACTOR = 3.0
+"""An update whose outer gradient is this many times the median norm of the last applied
+ones is always audited before it is applied, whatever the sampled share."""
+NORM_HISTORY = 8
+MIN_NORM_HISTORY = 3
+
+
+def outer_gradient_norm(update: Update) -> float:
+    """The L2 norm of an update's outer gradient (worker thread); inf if it does not decode."""
+    try:
+        return tensor_norm(update.decode())
+    except ValueError:
+        return math.inf
 
 FETCH_TIMEOUT_S = 30.0
 """Deadline of one `get_update` call, seconds."""
@@ -96,7 +114,11 @@ class ReplicaSync:
         self.auditor = auditor
         self.state_limiter = RateLimiter(rate_per_s=1 / 30, burst=2 * state.num_fragments + 2)
         self.audit_share = audit_share
-        """Share of other synchronizers' rounds this peer recomputes before applying."""
+        """Expected audits of each round across the swarm: each contributor recomputes a
+        round with probability `audit_share / contributors` (see security.md)."""
+        self.recent_norms = [deque(maxlen=NORM_HISTORY) for _ in state.fragments]
+        """Outer-gradient norms of the last applied updates, per fragment (the same on
+        every replica: they follow the same chain)."""
         self.banned: dict[str, int] = {}
         """Synchronizers proven to have published a false merge, with the round of the
         first proven lie: not elected again, and none of their records from then on count
@@ -279,6 +301,8 @@ class ReplicaSync:
             installed = await loop.run_in_executor(self.worker, install_update, self.state, prepared)
             if installed:
                 self.applied[fragment][record.round] = record.digest
+                norm = await loop.run_in_executor(self.worker, outer_gradient_norm, update)
+                self.recent_norms[fragment].append(norm)
             return installed
 
     def committed(self, fragment: int, round_id: int) -> RoundRecord | None:
@@ -346,13 +370,14 @@ class ReplicaSync:
         update = await self._fetch(record)
         if update is None:
             return False
-        if self._should_audit(record):
+        loop = asyncio.get_running_loop()
+        norm = await loop.run_in_executor(self.worker, outer_gradient_norm, update)
+        if self._should_audit(record, norm):
             snapshot = self.state.export_fragment(record.fragment)
             result = await self.audit(record, snapshot)
             if result.verdict == MISMATCH:
                 await self._convict(record, result.reason)
                 return False
-        loop = asyncio.get_running_loop()
         try:
             new_hash = await loop.run_in_executor(self.worker, self._apply, update, record.hash)
         except ValueError as exc:
@@ -362,6 +387,7 @@ class ReplicaSync:
             self.void.add(record.digest)
             return False
         self.applied[record.fragment][record.round] = record.digest
+        self.recent_norms[record.fragment].append(norm)
         if new_hash != record.hash:
             log.error(
                 "replica diverged round=%d fragment=%d ours=%s theirs=%s",
@@ -391,12 +417,20 @@ class ReplicaSync:
 
     # --- audits ---------------------------------------------------------------------------
 
-    def _should_audit(self, record: RoundRecord) -> bool:
-        return (
-            self.auditor is not None
-            and record.synchronizer != self.transport.peer_id
-            and random.random() < self.audit_share
-        )
+    def _should_audit(self, record: RoundRecord, norm: float) -> bool:
+        """Sampled (`audit_share` audits a round, spread over its contributors), and always
+        when the update is out of line with the last ones: a lie big enough to hurt is
+        checked by every peer before it is applied."""
+        if self.auditor is None or record.synchronizer == self.transport.peer_id:
+            return False
+        recent = self.recent_norms[record.fragment]
+        if len(recent) >= MIN_NORM_HISTORY and norm > SUSPICION_FACTOR * statistics.median(recent):
+            log.info(
+                "update out of line round=%d fragment=%d norm=%.4g median=%.4g: auditing",
+                record.round, record.fragment, norm, statistics.median(recent),
+            )
+            return True
+        return random.random() < self.audit_share / max(1, len(record.contributions))
 
     async def fetch_contributions(self, record: RoundRecord) -> list[bytes] | None:
         """The signed contributions of `record`'s round, from its synchronizer (None: not served)."""

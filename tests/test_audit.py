@@ -31,6 +31,10 @@ from p2pdiloco.state import prepare_update
 from p2pdiloco.updates import build_update_frame, parse_update
 
 
+ALWAYS = 64.0
+"""An audit share above the number of contributors: every peer audits every round."""
+
+
 def auditing(node: Node, share: float) -> None:
     node.replicas.auditor = Auditor(RUN, CONFIG, LIMITS, node.state.fragments)
     node.replicas.audit_share = share
@@ -77,6 +81,17 @@ async def honest_round_zero(cluster: Cluster) -> None:
         assert node.state.round_of(0) == 1
 
 
+async def honest_round(cluster: Cluster, round_id: int) -> None:
+    _, (first, second) = roles(cluster, round_id)
+    outcomes = await asyncio.gather(
+        first.link.contribute(0, round_id, first.frame(1.0, round_id=round_id)),
+        second.link.contribute(0, round_id, second.frame(2.0, round_id=round_id)),
+    )
+    assert [o.status for o in outcomes] == [messages.MERGED, messages.MERGED]
+    for node in cluster.nodes.values():
+        assert await node.replicas.sync_fragment(0)
+
+
 def audit_events(node: Node) -> list[dict]:
     return [e for e in node.events if e.get("event") == "audited"]
 
@@ -84,7 +99,7 @@ def audit_events(node: Node) -> list[dict]:
 def test_an_honest_round_passes_every_audit() -> None:
     async def body(cluster: Cluster) -> None:
         for node in cluster.nodes.values():
-            auditing(node, 1.0)
+            auditing(node, ALWAYS)
         await honest_round_zero(cluster)
         synchronizer, _ = roles(cluster, 0)
         audits = [e for n in cluster.nodes.values() for e in audit_events(n)]
@@ -102,7 +117,7 @@ def test_a_false_merge_is_refused_proven_and_its_synchronizer_banned() -> None:
         await honest_round_zero(cluster)
         liar, (first, second) = roles(cluster, 1)
         lying(liar)
-        auditing(first, 1.0)  # audits every round
+        auditing(first, ALWAYS)  # audits every round
         auditing(second, 0.0)  # audits nothing: must act on the notice, after checking it
         honest_hash = first.state.fragment_hash(0)
         await asyncio.gather(
@@ -159,7 +174,7 @@ def test_an_audit_with_a_tampered_record_is_a_mismatch_and_a_missing_contributio
         await honest_round_zero(cluster)
         record = learners[0].replicas.committed(0, 0)
         contributions = synchronizer.sync.kept.get(0, 0)
-        auditing(learners[0], 1.0)
+        auditing(learners[0], ALWAYS)
         auditor = learners[0].replicas.auditor
         chain = {}
         assert auditor.check(record, contributions, snapshot, chain).verdict == OK
@@ -169,5 +184,29 @@ def test_an_audit_with_a_tampered_record_is_a_mismatch_and_a_missing_contributio
         assert auditor.check(record, contributions[:1], snapshot, chain).verdict == "unverifiable"
         moved = dataclasses.replace(snapshot, hash="other")
         assert auditor.check(record, contributions, moved, chain).verdict == "unverifiable"
+
+    scenario(3, body)
+
+
+def test_an_update_out_of_line_is_audited_by_everyone_even_with_no_sampling() -> None:
+    async def body(cluster: Cluster) -> None:
+        for node in cluster.nodes.values():
+            auditing(node, 0.0)  # no sampled audits at all
+        for round_id in range(4):  # a history of honest updates
+            await honest_round(cluster, round_id)
+        assert not [e for n in cluster.nodes.values() for e in audit_events(n)]
+        liar, (first, second) = roles(cluster, 4)
+        lying(liar, factor=10.0)
+        honest_hash = first.state.fragment_hash(0)
+        await asyncio.gather(
+            first.link.contribute(0, 4, first.frame(1.0, round_id=4)),
+            second.link.contribute(0, 4, second.frame(2.0, round_id=4)),
+        )
+        for node in (first, second):  # ten times the usual step: audited, proven, refused
+            assert MISMATCH in [e["verdict"] for e in audit_events(node)], [
+                (n.peer_id[-4:], e) for n in cluster.nodes.values() for e in n.events if e["event"] in ("audited", "convicted")
+            ]
+            assert liar.peer_id in node.replicas.banned
+            assert node.state.round_of(0) == 4 and node.state.fragment_hash(0) == honest_hash
 
     scenario(3, body)
