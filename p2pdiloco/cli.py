@@ -485,14 +485,19 @@ def cmd_config(args: argparse.Namespace) -> int:
 # --- entry point -------------------------------------------------------------------------
 
 
+def _add_finding_flags(parser: argparse.ArgumentParser) -> None:
+    """How any peer finds a run: its name, manifest, bootstrap file or addresses."""
+    _add_peer_flag(parser, "--run", "run name (reads bootstrap_peers/<run>.toml, else <run>.txt)")
+    _add_peer_flag(
+        parser, "--initial-peers", "multiaddrs to bootstrap from", nargs="*", metavar="MULTIADDR"
+    )
+    _add_peer_flag(parser, "--bootstrap-file", "bootstrap file (default bootstrap_peers/<run>.txt)")
+    _add_peer_flag(parser, "--manifest", "signed run manifest (default bootstrap_peers/<run>.toml)")
+
+
 def _add_join_flags(join: argparse.ArgumentParser) -> None:
     """Every `[peer]` field as a `join` flag: shorthands for `--set peer.NAME=VALUE`."""
-    _add_peer_flag(join, "--run", "run name (reads bootstrap_peers/<run>.txt)")
-    _add_peer_flag(
-        join, "--initial-peers", "multiaddrs to bootstrap from", nargs="*", metavar="MULTIADDR"
-    )
-    _add_peer_flag(join, "--bootstrap-file", "bootstrap file (default bootstrap_peers/<run>.txt)")
-    _add_peer_flag(join, "--manifest", "signed run manifest (default bootstrap_peers/<run>.toml)")
+    _add_finding_flags(join)
     _add_peer_flag(join, "--new-run", "start a new swarm (no bootstrap peers)", action="store_true")
     _add_peer_flag(join, "--startup-timeout-s", "give up joining after this long (s)", type=float)
     _add_peer_flag(join, "--host", "listen address")
@@ -573,12 +578,7 @@ def _add_join_flags(join: argparse.ArgumentParser) -> None:
 
 def _add_watch_flags(watcher: argparse.ArgumentParser) -> None:
     """How an observer (dashboard, status, audit) finds a run."""
-    _add_peer_flag(watcher, "--run", "run name (reads bootstrap_peers/<run>.txt)")
-    _add_peer_flag(
-        watcher, "--initial-peers", "multiaddrs to bootstrap from", nargs="*", metavar="MULTIADDR"
-    )
-    _add_peer_flag(watcher, "--bootstrap-file", "bootstrap file (default bootstrap_peers/<run>.txt)")
-    _add_peer_flag(watcher, "--manifest", "signed run manifest (default bootstrap_peers/<run>.toml)")
+    _add_finding_flags(watcher)
     _add_peer_flag(
         watcher,
         "--timeout-s",

@@ -1,4 +1,4 @@
-"""Operator and auditor commands: `p2pdiloco run init|sign|certify|show` and `audit`.
+"""Operator and auditor commands: `p2pdiloco run init|sign|certify|show`, `identity`, `audit`.
 
 An operator keeps one Ed25519 key (`--operator-key`, created by `run init`); it signs the
 run manifest and the certificates that entitle peers to synchronize (or to learn, in a
@@ -112,6 +112,15 @@ def cmd_run_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_identity(args: argparse.Namespace) -> int:
+    """Print the peer id of a key file (created if missing): what an operator certifies."""
+    try:
+        print(load_or_create_identity(args.path).peer_id)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{args.path}: {exc}") from None
+    return 0
+
+
 def cmd_audit(args: argparse.Namespace) -> int:
     """Audit the next round of a live run; exit 0 ok, 1 proven false, 3 unverifiable."""
     from p2pdiloco.audit import MISMATCH, OK
@@ -171,6 +180,10 @@ def add_commands(sub: argparse._SubParsersAction, add_config_options, add_watch_
     show = verbs.add_parser("show", help="verify a manifest and print what it says")
     show.add_argument("manifest", help="a manifest file or a run name")
     show.set_defaults(handler=cmd_run_show)
+
+    identity = sub.add_parser("identity", help="print the peer id of a key file (created if missing)")
+    identity.add_argument("path", type=Path, help="Ed25519 key file, as given to join --identity")
+    identity.set_defaults(handler=cmd_identity)
 
     audit = sub.add_parser("audit", help="recompute the next round of a live run from its signed contributions")
     add_config_options(audit)

@@ -3,20 +3,24 @@ the defences cost when nobody attacks.
 
 Same seed, same learners, the synchronizer's own merge (`merging.merge_round`: screening,
 bounded token weights, the outer codec) and outer step (`GlobalState.apply_update`), in
-one process: a clean run of M honest learners, then one run per attack in which learner 0
-sends, every round, what the attack makes of its honest delta. Each delta goes through
-the run's codec, as on the wire. Figures:
+one process: a clean run of M-1 honest learners (learner 0 is absent: it sends nothing),
+then one run per attack in which learner 0 joins them and sends, every round, what the
+attack makes of its own honest delta. Each delta goes through the run's codec, as on the
+wire. Figures:
 
-- `loss_shift` per attack: (held-out loss attacked - clean) / clean, at the end (target
-  below 1% for each); `vs_attacker_dropped`: the same against a run in which learner 0
-  sends nothing (what is left once the attacker's data is gone: the attack's own effect); `honest_rounds_kept`: the share of rounds in which no honest delta
-  was refused; `attacker_weight`: its mean merge weight. `undefended_x1000` is the x1000
-  attack with screening switched off: the damage the defences prevent.
+- `loss_shift` per attack: (held-out loss attacked - clean) / clean, at the end: what
+  the attacker changed (target at most +1% each; below zero, its work helped).
+  `vs_all_honest`: the same against a run in which learner 0 is honest too (what
+  refusing it costs: its data is lost with it).
+  `honest_rounds_kept`: the share of rounds in which no honest delta was refused;
+  `attacker_weight`: its mean merge weight. `undefended_x1000` is the x1000 attack with
+  screening switched off: the damage the defences prevent.
 - `defence_cost` at zero attackers, per peer and round, as a share of the round: seconds
   (signing its contribution; verifying the signatures and records it reads; screening,
   amortised over the M peers that take turns as synchronizer; the sampled audit:
   `sync.audit_share / M` of recomputing a round from its M signed contributions) against
-  the round's compute (H inner steps); bytes (signatures and envelopes, and the audit's
+  the compute of a round of the embedded default (its batch, sequence length and H on
+  the bench's model); bytes (signatures and envelopes, and the audit's
   download of M contributions at the same rate) against its traffic (a contribution up,
   an update down). Target below 2% each.
 
@@ -74,7 +78,7 @@ def random_direction(delta: Params, tokens: int, memory: dict) -> tuple[Params, 
 
 
 def silent(delta: Params, tokens: int, memory: dict) -> tuple[Params, int]:
-    """No attack: learner 0 sends nothing (zero work), the best any defence can do."""
+    """Learner 0 absent: it sends no work (refused for it), as if it had never joined."""
     return {n: torch.zeros_like(t) for n, t in delta.items()}, 0
 
 
@@ -295,15 +299,15 @@ def main() -> int:
     corpus = Corpus.from_config(config.data)
     eval_set = heldout_batches(corpus, 8, config.train.batch_size, config.model.seq_len)
     started = time.perf_counter()
-    clean = run(config, corpus, eval_set, None, config.screening)
-    dropped = run(config, corpus, eval_set, silent, config.screening)
+    all_honest = run(config, corpus, eval_set, None, config.screening)
+    clean = run(config, corpus, eval_set, silent, config.screening)
     attacks = {}
     for name in args.attacks.split(","):
         figures = run(config, corpus, eval_set, ATTACKS[name], config.screening)
         attacks[name] = {
             "eval_loss": figures.eval_loss,
             "loss_shift": (figures.eval_loss - clean.eval_loss) / clean.eval_loss,
-            "vs_attacker_dropped": (figures.eval_loss - dropped.eval_loss) / dropped.eval_loss,
+            "vs_all_honest": (figures.eval_loss - all_honest.eval_loss) / all_honest.eval_loss,
             "honest_rounds_kept": figures.honest_rounds_kept,
             "attacker_weight": figures.attacker_weight,
             "rounds_applied": figures.rounds_applied,
@@ -311,14 +315,14 @@ def main() -> int:
         print(f"{name:18s} loss {figures.eval_loss:.5f} shift {attacks[name]['loss_shift']:+.2%} "
               f"honest kept {figures.honest_rounds_kept:.0%} attacker weight {figures.attacker_weight:.3f}")
     undefended = run(config, corpus, eval_set, ATTACKS["x1000"], UNDEFENDED)
-    cost = defence_cost(config, clean, config.screening)
+    cost = defence_cost(config, all_honest, config.screening)
     report = {
         "setting": {
             "model": "tiny", "learners": 4, "inner_steps": steps, "rounds": rounds, "seq_len": seq_len,
             "batch_size": 4, "attacker": "learner 0 of 4", "quick": args.quick,
         },
         "clean_eval_loss": clean.eval_loss,
-        "attacker_dropped_eval_loss": dropped.eval_loss,
+        "all_honest_eval_loss": all_honest.eval_loss,
         "attacks": attacks,
         "undefended_x1000": {
             "eval_loss": undefended.eval_loss,

@@ -107,3 +107,11 @@ def test_junk_manifests_are_errors_not_crashes() -> None:
     for text in ["", "[run]\nname = 5", "x = [", "[run]\nname='a'\noperator='b'\nconfig=''\ncertificates=['!!']"]:
         with pytest.raises(ManifestError):
             parse_manifest(text)
+
+
+def test_identity_prints_the_peer_id_a_certificate_names(tmp_path, capsys) -> None:
+    key = tmp_path / "peer.key"
+    assert main(["identity", str(key)]) == 0
+    first = capsys.readouterr().out.strip()
+    assert main(["identity", str(key)]) == 0  # the same key, the same id
+    assert capsys.readouterr().out.strip() == first == load_identity(key).peer_id

@@ -23,11 +23,15 @@ it into a `Rejected(reason)` or a skipped round, never a crash or a hang:
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 
 from p2pdiloco.errors import NetworkSetupError
 from p2pdiloco.identity import Identity
+from p2pdiloco.ratelimit import ConcurrencyLimit
+
+logger = logging.getLogger(__name__)
 
 Handler = Callable[[str, bytes], Awaitable[bytes]]
 """An RPC handler: `(caller_peer_id, request_bytes) -> response_bytes`."""
@@ -148,3 +152,14 @@ class Transport(ABC):
     @abstractmethod
     def now(self) -> float:
         """The DHT clock, seconds (wall time shared by all peers)."""
+
+
+def admit_call(limit: ConcurrencyLimit, name: str, callee: str, caller: str) -> None:
+    """Take one of `limit`'s slots for `caller`, or log and raise RemoteError: a call over
+    the caps is refused at the door, never queued (the caller must `limit.release`)."""
+    refusal = limit.try_acquire(caller)
+    if refusal is not None:
+        logger.warning(
+            "rpc_rejected reason=too_many_concurrent name=%s caller=%s detail=%r", name, caller, refusal
+        )
+        raise RemoteError(f"peer {callee} refused the call: too many concurrent requests ({refusal})")

@@ -54,6 +54,7 @@ from p2pdiloco.transport.base import (
     Transport,
     TransportClosed,
     TransportStartError,
+    admit_call,
     check_size_limit,
 )
 
@@ -576,17 +577,7 @@ class HivemindTransport(Transport):
         if len(request) > max_request:
             raise RequestTooLarge(f"request of {len(request)} bytes exceeds {max_request} bytes")
         limit = self._in_flight[name]
-        refusal = limit.try_acquire(self._peer_id)
-        if refusal is not None:
-            logger.warning(
-                "rpc_rejected reason=too_many_concurrent name=%s caller=%s detail=%r",
-                name,
-                self._peer_id,
-                refusal,
-            )
-            raise RemoteError(
-                f"peer {self._peer_id} refused the call: too many concurrent requests ({refusal})"
-            )
+        admit_call(limit, name, self._peer_id, self._peer_id)
         try:
             response = await handler(self._peer_id, bytes(request))
         except Exception as e:

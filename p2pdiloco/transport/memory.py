@@ -27,6 +27,7 @@ from p2pdiloco.transport.base import (
     Transport,
     TransportClosed,
     TransportStartError,
+    admit_call,
     check_size_limit,
 )
 
@@ -209,17 +210,7 @@ class MemoryTransport(Transport):
                 f"request of {len(request)} bytes exceeds {peer_id}'s limit of {max_request} bytes"
             )
         limit = remote._in_flight[name]
-        refusal = limit.try_acquire(self._peer_id)
-        if refusal is not None:
-            logger.warning(
-                "rpc_rejected reason=too_many_concurrent name=%s caller=%s detail=%r",
-                name,
-                self._peer_id,
-                refusal,
-            )
-            raise RemoteError(
-                f"peer {peer_id} refused the call: too many concurrent requests ({refusal})"
-            )
+        admit_call(limit, name, peer_id, self._peer_id)
         try:
             response = await handler(self._peer_id, request)
         except asyncio.CancelledError:
