@@ -30,7 +30,6 @@ from p2pdiloco.election import synchronizer_order
 from p2pdiloco.state import prepare_update
 from p2pdiloco.updates import build_update_frame, parse_update
 
-
 ALWAYS = 64.0
 """An audit share above the number of contributors: every peer audits every round."""
 
