@@ -1,0 +1,112 @@
+"""`p2pdiloco audit`: an outside observer recomputes the next round of a live run.
+
+The observer never trains and never serves. It builds the run's model from the (verified)
+config, follows the fragment's canonical chain to its head (a state download from the
+run's learners, checked by hash like any joiner's), then waits for the next committed
+record, fetches that round's signed contributions from its synchronizer and recomputes
+the merge bit for bit (`audit.audit_round`). Only the *next* round can be checked: the
+parent state of an older round is no longer held by anyone.
+
+Every wait is bounded by `wait_s`; a run that stalls or a synchronizer that does not
+serve its contributions gives `unverifiable`, never a hang and never an accusation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from p2pdiloco import wire
+from p2pdiloco.audit import UNVERIFIABLE, Auditor, AuditResult
+from p2pdiloco.config import RunConfig
+from p2pdiloco.fragments import partition_fragments
+from p2pdiloco.membership import Heartbeat, live_members, members_key
+from p2pdiloco.model import build_model
+from p2pdiloco.replica_sync import ReplicaSync
+from p2pdiloco.rounds import RoundRecord
+from p2pdiloco.state import GlobalState
+from p2pdiloco.transport.base import Transport, TransportError
+from p2pdiloco.trust import Admission
+
+log = logging.getLogger(__name__)
+
+POLL_S = 1.0
+"""How often the observer re-reads the DHT while it waits (a poll period, not a sync)."""
+
+
+def _observer_state(config: RunConfig) -> GlobalState:
+    """The run's genesis state, built exactly as every peer builds it."""
+    model = build_model(config.model.preset, seed=config.train.seed, max_seq_len=config.model.seq_len)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    fragments = partition_fragments({n: p.numel() for n, p in params.items()}, config.sync.num_fragments)
+    return GlobalState(params, fragments, config.outer)
+
+
+class _Members:
+    """The run's live membership as last read from the DHT (donors for the state download)."""
+
+    def __init__(self, transport: Transport, run: str) -> None:
+        self.transport, self.run = transport, run
+        self.view: dict[str, Heartbeat] = {}
+
+    async def refresh(self) -> None:
+        try:
+            records = await self.transport.get(members_key(self.run))
+        except TransportError as exc:
+            log.info("membership read failed: %r", exc)
+            return
+        # any learner may donate: what it sends is checked against the chain's signed hash
+        self.view, _ = live_members(self.run, records, self.transport.now())
+
+    def __call__(self) -> dict[str, Heartbeat]:
+        return dict(self.view)
+
+
+async def audit_next_round(
+    transport: Transport, config: RunConfig, admission: Admission, fragment: int, wait_s: float
+) -> tuple[AuditResult, RoundRecord | None]:
+    """Catch up with `fragment`'s chain, then audit the next round committed (bounded by `wait_s`).
+
+    Returns the verdict and the audited record (None when no round could be audited).
+    """
+    if not 0 <= fragment < config.sync.num_fragments:
+        return AuditResult(UNVERIFIABLE, f"the run has no fragment {fragment}"), None
+    deadline = time.monotonic() + wait_s
+    run = config.peer.run
+    state = _observer_state(config)
+    members = _Members(transport, run)
+    limits = wire.WireLimits()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit") as worker:
+        replicas = ReplicaSync(
+            transport, run, state, members, limits, worker,
+            void_after_s=config.sync.round_deadline_s, admission=admission,
+            auditor=Auditor(run, config, limits, state.fragments),
+        )
+        # 1. follow the chain to its head (a download when the run is past round 0)
+        while True:
+            await members.refresh()
+            if await replicas.sync_fragment(fragment):
+                break
+            if time.monotonic() > deadline:
+                return AuditResult(UNVERIFIABLE, "could not catch up with the run's chain"), None
+            await asyncio.sleep(POLL_S)
+        target = state.round_of(fragment)
+        snapshot = state.export_fragment(fragment)
+        log.info("audit: at round %d of fragment %d, waiting for its record", target, fragment)
+        # 2. wait for the record of the next round, built on the state we hold
+        while (record := await _record_of(replicas, fragment, target)) is None:
+            if time.monotonic() > deadline:
+                return AuditResult(UNVERIFIABLE, f"no record of round {target} within {wait_s:g} s"), None
+            await asyncio.sleep(POLL_S)
+        # 3. recompute it from its signed contributions
+        return await replicas.audit(record, snapshot), record
+
+
+async def _record_of(replicas: ReplicaSync, fragment: int, round_id: int) -> RoundRecord | None:
+    try:
+        return (await replicas.read_chain(fragment)).get(round_id)
+    except TransportError as exc:
+        log.info("chain read failed: %r", exc)
+        return None

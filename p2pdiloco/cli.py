@@ -326,6 +326,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     manifest = find_manifest(peer)
     if manifest is not None:
         config = joined_config(manifest, [])
+        peer = dataclasses.replace(peer, run=manifest.name)
     admission = manifest.admission() if manifest is not None else Admission()
     # A bootstrap node is a DHT node too: it stores only records the run's rules allow.
     rules = RunRecordRules(peer.run, config.sync.num_fragments, admission)
@@ -620,6 +621,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bootstrap = sub.add_parser("bootstrap", help="run a DHT-only node and print its multiaddrs")
     _add_config_options(bootstrap)
+    _add_peer_flag(bootstrap, "--run", "run whose records this node stores (reads bootstrap_peers/<run>.toml)")
+    _add_peer_flag(bootstrap, "--manifest", "signed run manifest (default bootstrap_peers/<run>.toml)")
     _add_peer_flag(bootstrap, "--host", "listen address")
     _add_peer_flag(bootstrap, "--port", "listen port (0: any)", type=int)
     _add_peer_flag(

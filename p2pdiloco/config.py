@@ -222,9 +222,9 @@ class SyncConfig:
     is committed (fewer when fewer other learners are live), so it survives the
     synchronizer's death."""
     audit_share: float = 0.03
-    """Expected audits of each round across the swarm: every contributor recomputes a
-    round from its signed contributions with probability audit_share / contributors
-    before applying it (so the cost per peer does not grow with the swarm; 0.03 keeps it
+    """Expected audits of each round across the swarm: each peer that applies a round
+    recomputes it from its signed contributions with probability audit_share /
+    contributors before applying it (so the cost per peer does not grow with the swarm; 0.03 keeps it
     under 2% of a round's traffic). Updates out of line with the last ones are always
     audited (see security.md)."""
 

@@ -114,8 +114,8 @@ class ReplicaSync:
         self.auditor = auditor
         self.state_limiter = RateLimiter(rate_per_s=1 / 30, burst=2 * state.num_fragments + 2)
         self.audit_share = audit_share
-        """Expected audits of each round across the swarm: each contributor recomputes a
-        round with probability `audit_share / contributors` (see security.md)."""
+        """Expected audits of each round across the swarm: each peer that applies a round
+        recomputes it with probability `audit_share / contributors` (see security.md)."""
         self.recent_norms = [deque(maxlen=NORM_HISTORY) for _ in state.fragments]
         """Outer-gradient norms of the last applied updates, per fragment (the same on
         every replica: they follow the same chain)."""

@@ -208,6 +208,10 @@ class Synchronizer:
             return self._reject(-1, -1, msg.reason, caller)
         if msg.kind != wire.CONTRIBUTION or msg.run != self.run:
             return self._reject(msg.round, msg.fragment, f"unexpected {msg.kind} for run {msg.run!r}", caller)
+        if msg.meta.get("peer") != caller:
+            # Auditors check the signature against the named peer: a frame naming someone
+            # else would make an honest merge look forged.
+            return self._reject(msg.round, msg.fragment, "contribution names another peer", caller)
         if not 0 <= msg.fragment < self.state.num_fragments:
             return self._reject(msg.round, msg.fragment, f"no fragment {msg.fragment}", caller)
         fragment, target = msg.fragment, msg.round

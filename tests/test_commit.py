@@ -343,6 +343,27 @@ def test_a_delta_arriving_during_the_merge_is_told_it_is_late() -> None:
     scenario(3, body)
 
 
+def test_a_contribution_naming_another_peer_is_rejected() -> None:
+    """Auditors check a contribution's signature against the peer it names: a learner that
+    names someone else would make the synchronizer's honest merge look forged."""
+
+    async def body(cluster: Cluster) -> None:
+        synchronizer, honest, liar = cluster[0], cluster[1], cluster[2]
+        forged = liar.frame(1.0).replace(liar.peer_id.encode(), honest.peer_id.encode())
+        assert forged != liar.frame(1.0)
+        raw = await liar.transport.call(
+            synchronizer.peer_id,
+            f"{RUN}.{messages.RPC_CONTRIBUTE}",
+            seal_contribution(liar.transport.identity, RUN, forged),
+            5.0,
+        )
+        reply = wire.decode_message(raw, LIMITS)
+        assert reply.meta["status"] == messages.REJECTED
+        assert reply.meta["reason"] == "contribution names another peer"
+
+    scenario(3, body)
+
+
 # --- split views: two records for one round ---------------------------------------------
 
 

@@ -32,8 +32,8 @@ def join_args(
     return [*args, *flags]
 
 
-def start_bootstrap() -> PeerProcess:
-    return start_peer_process(["-m", "p2pdiloco", "bootstrap", "--events"], ready_timeout_s=180)
+def start_bootstrap(*flags: str) -> PeerProcess:
+    return start_peer_process(["-m", "p2pdiloco", "bootstrap", "--events", *flags], ready_timeout_s=180)
 
 
 def start_learners(

@@ -9,6 +9,7 @@ certificate) never get it elected.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -25,13 +26,13 @@ ROUND_WAIT_S = 300
 PER_PEER = {"data.max_files", "train.batch_size", "train.device"}
 
 
-def p2pdiloco(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+def p2pdiloco(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "p2pdiloco", *args],
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
     )
 
 
@@ -60,7 +61,7 @@ def test_only_certified_peers_synchronize_a_certified_run(tmp_path) -> None:
         )
         assert done.returncode == 0, done.stderr
 
-    boot = start_bootstrap()
+    boot = start_bootstrap("--manifest", str(manifest))  # stores only what the run's rules allow
     per_peer = [a for item in TINY_RUN if item.split("=")[0] in PER_PEER for a in ("--set", item)]
     joins = [
         [
@@ -100,6 +101,16 @@ def test_only_certified_peers_synchronize_a_certified_run(tmp_path) -> None:
     tables = [log.hashes() for log in logs]
     for key_ in set.intersection(*(set(t) for t in tables)):
         assert len({t[key_] for t in tables}) == 1, key_
+
+    # an outsider audits the next round: catches up by a verified download, recomputes it
+    audited = p2pdiloco(
+        "audit", "--manifest", str(manifest), "--initial-peers", *boot.maddrs,
+        "--wait-s", "240", "--json", env=env, timeout=360,
+    )
+    assert audited.returncode == 0, audited.stdout + audited.stderr[-3000:]
+    report = json.loads(audited.stdout.strip().splitlines()[-1])
+    assert report["verdict"] == "ok" and report["synchronizer"] in certified, report
+    assert report["recomputed"] == report["hash"]
     for peer in peers:
         peer.request_stop(signal.SIGTERM)
     assert [peer.wait_exit(60) for peer in peers] == [0, 0, 0]
