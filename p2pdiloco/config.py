@@ -455,7 +455,12 @@ class PeerConfig:
         )
         _check(bool(self.host), "peer.host", "must not be empty")
         _check(0 <= self.port <= 65535, "peer.port", f"must be in [0, 65535], got {self.port}")
-        _check(self.heartbeat_s > 0.0, "peer.heartbeat_s", f"must be > 0, got {self.heartbeat_s}")
+        _check(
+            0.0 < self.heartbeat_s <= 75.0,
+            "peer.heartbeat_s",
+            f"must be in (0, 75] (a heartbeat lives 4 periods, the DHT keeps it at most 300 s), "
+            f"got {self.heartbeat_s}",
+        )
         _check(self.data_rank >= -1, "peer.data_rank", f"must be >= -1, got {self.data_rank}")
         _check(self.data_shards >= 1, "peer.data_shards", f"must be >= 1, got {self.data_shards}")
         for name in (

@@ -18,8 +18,9 @@ import msgpack
 
 from p2pdiloco.identity import Identity, SealError, is_peer_id, unseal
 
-PROTOCOL_VERSION = 2
-"""Bumped on any incompatible change of the swarm's messages or records."""
+PROTOCOL_VERSION = 3
+"""Bumped on any incompatible change of the swarm's messages or records (3: heartbeats,
+records and contributions are signed, see security.md; 2: the commit point)."""
 
 ROLES = ("learner", "observer", "bootstrap")
 

@@ -15,6 +15,7 @@ import json
 import time
 from pathlib import Path
 
+from p2pdiloco.bootstrap import check_multiaddr
 from p2pdiloco.config import load_config
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.identity import Identity, is_peer_id, load_or_create_identity
@@ -67,7 +68,7 @@ def cmd_run_init(args: argparse.Namespace) -> int:
         name=args.name,
         operator=operator.peer_id,
         config_text=config_text_of(config),
-        bootstrap=tuple(args.bootstrap or ()),
+        bootstrap=tuple(check_multiaddr(a, "--bootstrap") for a in args.bootstrap or ()),
         synchronizers=args.synchronizers,
         learners=args.learners,
         allowlist=allowlist,

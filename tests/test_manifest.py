@@ -115,3 +115,13 @@ def test_identity_prints_the_peer_id_a_certificate_names(tmp_path, capsys) -> No
     first = capsys.readouterr().out.strip()
     assert main(["identity", str(key)]) == 0  # the same key, the same id
     assert capsys.readouterr().out.strip() == first == load_identity(key).peer_id
+
+
+def test_init_refuses_a_bootstrap_address_that_is_not_a_multiaddr(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    key = tmp_path / "operator.key"
+    argv = ["run", "init", "bad-run", "--operator-key", str(key), "--bootstrap", "1.2.3.4:4000"]
+    assert main([*argv, *RUN_SETS]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--bootstrap" in err[0] and "not a valid multiaddr" in err[0]
+    assert not (tmp_path / "bootstrap_peers" / "bad-run.toml").exists()
