@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +58,16 @@ class Staged:
     base: dict[str, torch.Tensor]
     tokens: int
     steps: int
+
+
+@dataclass
+class Encoded:
+    """What the encoder thread made of a staged fragment (tensors None: non-finite delta)."""
+
+    staged: Staged
+    tensors: dict[str, compress.EncodedTensor] | None
+    local: dict[str, torch.Tensor] | None
+    """The shipped local parameters (kept for `on_receive = "rebase"`)."""
 
 
 @dataclass
@@ -121,7 +131,12 @@ class Learner:
         self.progress = LearnerProgress(c_tokens=[0] * num_fragments, c_steps=[0] * num_fragments)
         self.in_flight: dict[int, InFlight] = {}
         self.staged: dict[int, Staged] = {}
-        """Fragments copied to the host last step, sent after the next step was queued."""
+        """Fragments copied to the host last step, encoded once the next step was queued."""
+        self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encoder")
+        """Takes deltas and encodes them beside the training thread: on an accelerator the
+        loop keeps queuing steps meanwhile (a 150M fragment costs ~0.1 s of CPU)."""
+        self.encoding: dict[int, Future[Encoded]] = {}
+        """Fragments with the encoder, sent by the loop once their encoding is done."""
         self.received: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         self._shipped_local: dict[int, dict[str, torch.Tensor]] = {}
         self._params = dict(trainer.model.named_parameters())
@@ -172,9 +187,11 @@ class Learner:
             self._count(result.tokens, time.monotonic() - started)
             self.progress.train_s += time.monotonic() - started
 
-            # ship: send what was staged last step (its host copy ran beside this step's
-            # work on an accelerator), then stage the fragments that are due now
-            self.send_staged()
+            # ship: send what the encoder finished, hand it what was staged last step (its
+            # host copy ran beside this step's work on an accelerator), then stage the
+            # fragments that are due now
+            self.send_encoded(block=False)
+            self.start_encoding()
             for fragment in fragments_due(self.progress.step, sync.inner_steps, sync.num_fragments):
                 self.stage(fragment)
 
@@ -231,7 +248,7 @@ class Learner:
     def stage(self, fragment: int) -> None:
         """Start copying this fragment to the host, with the base and counters its delta is
         taken against; `send_staged` encodes and sends it once the copy landed."""
-        busy = fragment in self.in_flight or fragment in self.staged
+        busy = fragment in self.in_flight or fragment in self.staged or fragment in self.encoding
         if busy or self.progress.c_steps[fragment] == 0:
             return  # the previous one is still on its way; the next schedule takes both
         base_round, base = self.bases[fragment]
@@ -245,13 +262,26 @@ class Learner:
         self.staged[fragment] = Staged(copy, base_round, base, tokens, steps)
 
     def send_staged(self, fragments: Iterable[int] | None = None) -> None:
-        """Encode and send the staged fragments (all, or those in `fragments`)."""
+        """Encode and send the staged fragments (all, or those in `fragments`) now."""
+        self.start_encoding(fragments)
+        self.send_encoded(fragments, block=True)
+
+    def start_encoding(self, fragments: Iterable[int] | None = None) -> None:
+        """Hand the staged fragments (all, or those in `fragments`) to the encoder thread."""
         chosen = self.staged.keys() if fragments is None else self.staged.keys() & set(fragments)
         for fragment in sorted(chosen):
             staged = self.staged.pop(fragment)
-            local = staged.copy.wait()
-            delta = {n: staged.base[n] - local[n] for n in staged.base}
-            if not all(bool(torch.isfinite(t).all()) for t in delta.values()):
+            self.encoding[fragment] = self.encoder.submit(self._encode, staged)
+
+    def send_encoded(self, fragments: Iterable[int] | None = None, block: bool = False) -> None:
+        """Send the fragments the encoder is done with (with `block`, wait for them)."""
+        chosen = self.encoding.keys() if fragments is None else self.encoding.keys() & set(fragments)
+        for fragment in sorted(chosen):
+            if not (block or self.encoding[fragment].done()):
+                continue
+            encoded = self.encoding.pop(fragment).result()
+            staged = encoded.staged
+            if encoded.tensors is None:
                 # A diverged replica must not poison the swarm: drop it and restart from global.
                 log.warning(
                     "non-finite local delta fragment=%d: not sent; fragment reset to global",
@@ -261,18 +291,32 @@ class Learner:
                 self.load_global_into_model([fragment])
                 self.progress.c_tokens[fragment] = self.progress.c_steps[fragment] = 0
                 continue
-            tensors = compress.encode_tensors(self.codec, delta, self.feedback)
-            if self.config.sync.on_receive == "rebase":
-                self._shipped_local[fragment] = {n: t.clone() for n, t in local.items()}
+            if encoded.local is not None:
+                self._shipped_local[fragment] = encoded.local
             item = InFlight(
                 future=Future(),
                 target_round=staged.base_round,
                 base_round=staged.base_round,
                 tokens=staged.tokens,
                 steps=staged.steps,
-                tensors=tensors,
+                tensors=encoded.tensors,
             )
             self._send(fragment, item)
+
+    def wait_encoding(self) -> None:
+        """Wait until the encoder is idle (the error-feedback residuals are then settled)."""
+        for future in list(self.encoding.values()):
+            future.exception()
+
+    def _encode(self, staged: Staged) -> Encoded:
+        """Encoder thread: wait for the host copy, take the delta, check it, encode it."""
+        local = staged.copy.wait()
+        delta = {n: staged.base[n] - local[n] for n in staged.base}
+        if not all(bool(torch.isfinite(t).all()) for t in delta.values()):
+            return Encoded(staged, None, None)
+        tensors = compress.encode_tensors(self.codec, delta, self.feedback)
+        rebase = self.config.sync.on_receive == "rebase"
+        return Encoded(staged, tensors, {n: t.clone() for n, t in local.items()} if rebase else None)
 
     def _send(self, fragment: int, item: InFlight) -> None:
         message = wire.Message(

@@ -292,6 +292,7 @@ class PeerDaemon:
         if not directory or self.parts is None:
             return
         learner = self.parts.learner
+        learner.wait_encoding()  # the residuals the encoder thread is updating
         try:
             path = save_learner(directory, learner, self.config_hash)
         except ConfigError as exc:

@@ -3,6 +3,7 @@ by the committed record of their round."""
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 
 import torch
@@ -83,3 +84,30 @@ def test_a_delta_merged_only_in_a_losing_update_is_resent(tiny_config, tiny_corp
     learner.settle()
     assert learner.progress.rounds_contributed == 0
     assert [t for (_, t, _, _) in sent] == [0, 1]
+
+
+def test_the_loop_encodes_beside_the_training_thread_and_sends_when_done(tiny_config, tiny_corpus) -> None:
+    """The loop hands a staged fragment to the encoder thread and goes on; the fragment is
+    busy (not staged again) until the encoded delta was sent."""
+    learner, state, sent = make_learner(tiny_config, tiny_corpus)
+    learner.trainer.step(learner.batches)
+    learner.progress.c_steps[0] = learner.progress.c_tokens[0] = 1
+    release, threads = threading.Event(), []
+    encode = learner._encode
+
+    def held_encode(staged):
+        threads.append(threading.current_thread().name)
+        assert release.wait(60)
+        return encode(staged)
+
+    learner._encode = held_encode
+    learner.stage(0)
+    learner.start_encoding()
+    learner.send_encoded(block=False)
+    assert sent == [] and 0 in learner.encoding, "the loop does not wait for the encoder"
+    learner.stage(0)
+    assert 0 not in learner.staged, "a fragment with the encoder is not staged again"
+    release.set()
+    learner.send_encoded(block=True)
+    assert threads and threads[0].startswith("encoder") and len(sent) == 1
+    assert 0 not in learner.encoding and 0 in learner.in_flight
