@@ -15,6 +15,7 @@ floats, and every reduction through `fixed_order_sum` (docs/arithmetic.md).
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -163,11 +164,15 @@ def token_weights(
     max_share: float = 1.0,
     staleness: Sequence[int] | None = None,
     staleness_discount: float = 1.0,
+    max_ratio: float = math.inf,
 ) -> list[float]:
     """Decoupled DiLoCo §3.2 weights: `w = c_tokens * (c_tokens / c_steps)`, normalised.
 
     Quantity (tokens) times quality (tokens per step, i.e. batch size); each round of
-    staleness multiplies a weight by `staleness_discount`; then no share above `max_share`.
+    staleness multiplies a weight by `staleness_discount`; no weight counts more than
+    `max_ratio` times the median of the window's, given 3 or more (a claim twice the
+    median in tokens and in tokens per step, 4x in weight, counts `max_ratio`x at most);
+    then no share above `max_share`.
     """
     if len(tokens) != len(steps):
         raise ValueError("tokens and steps must have one entry per learner")
@@ -177,6 +182,11 @@ def token_weights(
         if staleness is not None:
             w *= staleness_discount ** staleness[index]
         raw.append(w)
+    positive = [w for w in raw if w > 0.0]
+    if len(positive) >= 3 and math.isfinite(max_ratio):
+        # the median, not the lower one: thin claims must not drag honest weights down
+        limit = max_ratio * statistics.median(positive)
+        raw = [min(w, limit) for w in raw]
     return cap_shares(raw, max_share)
 
 

@@ -66,7 +66,9 @@ has |cos| <= 0.008 with both. B's norm ratios above 1.4 are its warm-up rounds. 
 - `max_param_ratio = 4.0`: 4x the largest honest ratio (a fragment of small residual
   projections in round 0); it applies only until there is history.
 - `token_factor = 2.0`: not measured (claims are equal in a synchronous simulation); room
-  for learners that ran more steps than the median.
+  for learners that ran more steps than the median. It bounds the weight too: a weight is
+  tokens x tokens per step, so a claim at the token bound with a large batch would
+  otherwise count 4x the median (in bench_attack it took the 0.5 share cap).
 
 What this does not stop: a delta that keeps its norm under the clip and its direction
 close enough to honest ones (bounded damage by construction); a flip of one tensor of a
@@ -115,7 +117,8 @@ class ScreeningRules:
     min_loo_peers: int = 3
     """Deltas needed for the leave-one-out check (two cannot tell which one is off)."""
     token_factor: float = 2.0
-    """Tokens counted at most this times the median accepted token count."""
+    """Tokens counted at most this times the median accepted token count, and a weight
+    at most this times the window's median weight."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -508,6 +511,7 @@ def screen(
         max_share=max_weight_share,
         staleness=[candidates[i].staleness for i in kept],
         staleness_discount=staleness_discount,
+        max_ratio=rules.token_factor,
     )
     weight_of = dict(zip(kept, weights, strict=True))
     verdicts = tuple(

@@ -210,3 +210,18 @@ def test_delayed_nesterov_with_every_one_is_nesterov_and_otherwise_delays_moment
     assert torch.allclose(sc.momentum["w"], torch.full((2,), 1.5))
     # plain steps -0.1 - 0.2, then the momentum term lr * mu * 1.5
     assert torch.allclose(c["w"], torch.full((2,), -0.3 - 0.1 * 0.9 * 1.5))
+
+
+def test_no_weight_counts_more_than_max_ratio_times_the_median() -> None:
+    # 2x the median tokens at the same steps is 4x the weight: bounded to 2x
+    assert token_weights([200, 100, 100, 100], [10, 10, 10, 10], max_ratio=2.0) == pytest.approx(
+        [0.4, 0.2, 0.2, 0.2]
+    )
+    # thin claims do not drag the honest weights down
+    thin = token_weights([100, 100, 1, 1], [10, 10, 10, 10], max_ratio=2.0)
+    assert thin == pytest.approx(token_weights([100, 100, 1, 1], [10, 10, 10, 10]))
+    # two claims have no median to speak of; a lifted ratio bounds nothing
+    assert token_weights([200, 100], [10, 10], max_ratio=2.0) == pytest.approx([0.8, 0.2])
+    assert token_weights([200, 100, 100], [10, 10, 10], max_ratio=100.0) == pytest.approx(
+        [4 / 6, 1 / 6, 1 / 6]
+    )

@@ -3,7 +3,7 @@ contributions corrupted, round after round, in the ways a malicious volunteer wo
 
     python tests/net/byzantine.py --modes scale,flip,tokens,replay -- JOIN ARGS...
 
-Each contribution it ships uses the next mode, in turn: `scale` multiplies the delta by
+Each contribution it ships to a fragment uses that fragment's next mode, in turn: `scale` multiplies the delta by
 1000, `flip` sends it negated and ×10, `tokens` claims 1000× the tokens it processed,
 `replay` sends its first contribution again (signed anew, so only its content is stale).
 It signs everything with its own key, as any admitted learner can: what stops it must be
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Iterator
 from itertools import cycle
 
 from p2pdiloco import compress
@@ -28,12 +29,12 @@ log = logging.getLogger("byzantine")
 def corrupting(modes: list[str]):
     """A replacement for `Learner._send` that corrupts each item by the next mode."""
     original = Learner._send
-    turn = cycle(modes)
+    turns: dict[int, Iterator[str]] = {}
     first: dict[int, dict] = {}
 
     def send(self: Learner, fragment: int, item: InFlight) -> None:
         first.setdefault(fragment, item.tensors)
-        mode = next(turn)
+        mode = next(turns.setdefault(fragment, cycle(modes)))  # each fragment sees every mode
         if mode in ("scale", "flip"):
             factor = 1000.0 if mode == "scale" else -10.0
             delta = compress.decode_tensors(item.tensors)

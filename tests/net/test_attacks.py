@@ -99,13 +99,15 @@ def test_a_strangers_attacks_are_refused_and_the_run_keeps_closing_rounds() -> N
     assert [peer.wait_exit(60) for peer in peers] == [0] * len(peers)
 
 
-def byzantine_modes(peer) -> dict[int, str]:
-    """Round -> how the Byzantine learner corrupted its contribution to it (from its log)."""
+def byzantine_modes(peer, fragment: int = 0) -> dict[int, str]:
+    """Round -> how the Byzantine learner corrupted its contribution to that round of
+    `fragment` (from its log; a resend to the same round overwrites)."""
     modes = {}
     for line in Path(peer.stderr_path).read_text(errors="replace").splitlines():
         if "byzantine mode=" in line:
             fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
-            modes[int(fields["round"])] = fields["mode"]
+            if int(fields["fragment"]) == fragment:
+                modes[int(fields["round"])] = fields["mode"]
     return modes
 
 
