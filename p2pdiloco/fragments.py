@@ -47,3 +47,22 @@ def fragments_due(step: int, inner_steps: int, num_fragments: int) -> list[int]:
         if shifted >= inner_steps and shifted % inner_steps == 0:
             due.append(fragment)
     return due
+
+
+def frame_problem(
+    sizes: Mapping[str, int], fragments: list[list[str]], max_elements: int, max_bytes: int
+) -> str:
+    """Why a fragment's delta or update cannot travel in one frame (fp32, the widest codec,
+    with 1 MiB for the header), or "" when every fragment fits. State transfer is split
+    into parts (`state_transfer`); contributions and updates are one frame a fragment."""
+    cap = min(max_elements, (max_bytes - (1 << 20)) // 4)
+    loads = [sum(sizes[n] for n in names) for names in fragments]
+    worst = max(range(len(loads)), key=loads.__getitem__)
+    if loads[worst] <= cap:
+        return ""
+    total = sum(loads)
+    return (
+        f"sync.num_fragments={len(fragments)} puts {loads[worst]:,} elements in fragment {worst}; "
+        f"one frame carries at most {cap:,}: use sync.num_fragments >= {-(-total // cap)} "
+        "(or more, the packing is not exact)"
+    )

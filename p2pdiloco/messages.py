@@ -5,7 +5,7 @@ RPCs (each request and reply is one `wire` frame, moved in bounded chunks):
     contribute   learner -> synchronizer  CONTRIBUTION        -> CONTRIBUTE_REPLY (+ update)
     hold_update  synchronizer -> peer     OUTER_UPDATE        -> CONTRIBUTE_REPLY(held)
     get_update   peer -> peer             UPDATE_REQUEST      -> OUTER_UPDATE or CONTRIBUTE_REPLY(missing)
-    get_state    joiner -> peer           STATE_REQUEST       -> STATE_REPLY (one fragment)
+    get_state    joiner -> peer           STATE_REQUEST(part) -> STATE_REPLY (one part of a fragment)
     get_contributions  auditor -> synchronizer  [round, fragment] -> signed contributions
 
 DHT records: heartbeats (see `membership`) and round records (see `rounds`).
@@ -33,7 +33,8 @@ CONTRIBUTE_REPLY = "contribute_reply"
 UPDATE_REQUEST = "update_request"
 """peer -> peer: send the encoded update of (round, fragment) if you keep it."""
 STATE_REPLY = "state_reply"
-"""peer -> joiner: parameters (`p/<name>`) and momentum (`m/<name>`) of one fragment."""
+"""peer -> joiner: parameters (`p/<name>`), momentum (`m/<name>`) and sums (`a/<name>`) of
+one fragment, in parts that fit the wire limits (`state_transfer`)."""
 
 # Reply statuses.
 MERGED = "merged"  # the delta entered this round's merge; the update is attached
@@ -74,7 +75,14 @@ register_kind(
         carries_tensors=False,
     )
 )
-register_kind(MessageKind(STATE_REPLY, required={"peer": "str", "hash": "str"}))
+register_kind(
+    MessageKind(
+        STATE_REPLY,
+        required={"peer": "str", "hash": "str"},
+        optional={"part": "uint", "parts": "uint"},
+        bounds={"part": (0, wire.MAX_COUNT), "parts": (1, wire.MAX_COUNT)},
+    )
+)
 
 
 def reply(

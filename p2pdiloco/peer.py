@@ -29,7 +29,7 @@ from p2pdiloco.data import Corpus, heldout_batches, learner_batches
 from p2pdiloco.errors import ConfigError, NetworkSetupError
 from p2pdiloco.events import EventSink
 from p2pdiloco.faults import SplitView, crash_hook, faulty_contribute
-from p2pdiloco.fragments import partition_fragments
+from p2pdiloco.fragments import frame_problem, partition_fragments
 from p2pdiloco.learner import Learner
 from p2pdiloco.learner_link import LearnerLink, Outcome
 from p2pdiloco.membership import Heartbeat, learners, live_members, members_key, seal_heartbeat
@@ -166,7 +166,11 @@ class PeerDaemon:
             torch.set_num_threads(options.torch_threads)
         model = build_model(config.model.preset, seed=config.train.seed, max_seq_len=config.model.seq_len)
         params = {n: p.detach() for n, p in model.named_parameters()}
-        fragments = partition_fragments({n: p.numel() for n, p in params.items()}, config.sync.num_fragments)
+        sizes = {n: p.numel() for n, p in params.items()}
+        fragments = partition_fragments(sizes, config.sync.num_fragments)
+        too_big = frame_problem(sizes, fragments, self.limits.max_total_elements, self.limits.max_frame_bytes)
+        if too_big:
+            raise ConfigError(too_big)
         state = GlobalState(params, fragments, config.outer)
         corpus = Corpus.from_config(config.data, lambda done, total: self.on_progress("data", done, total))
         peer_id = self.transport.peer_id

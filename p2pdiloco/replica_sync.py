@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from p2pdiloco import compress, messages, wire
+from p2pdiloco import messages, wire
 from p2pdiloco.audit import (
     MISMATCH,
     NOTICE_TTL_S,
@@ -58,6 +58,7 @@ from p2pdiloco.state import (
     install_update,
     prepare_update,
 )
+from p2pdiloco.state_transfer import PartsAssembler, decode_part, encode_part
 from p2pdiloco.transport.base import Transport, TransportError
 from p2pdiloco.trust import Admission
 from p2pdiloco.updates import Update, UpdateStore, parse_update
@@ -112,6 +113,8 @@ class ReplicaSync:
         split-view fault injection, which makes this peer commit a round alone)."""
         self.admission = admission or Admission()
         self.auditor = auditor
+        self._serving: dict[int, FragmentState] = {}
+        """Per fragment, the snapshot whose parts are being served (replaced once stale)."""
         self.state_limiter = RateLimiter(rate_per_s=1 / 30, burst=2 * state.num_fragments + 2)
         self.audit_share = audit_share
         """Expected audits of each round across the swarm: each peer that applies a round
@@ -221,38 +224,37 @@ class ReplicaSync:
         return update.frame
 
     async def rpc_get_state(self, caller: str, request: bytes) -> bytes:
-        """One fragment's global parameters and optimizer state, for a joining peer.
+        """One part of one fragment's global parameters and optimizer state, for a joiner.
 
-        Rate-limited per caller: a small request costs ~8 bytes a parameter to answer."""
-        if not self.state_limiter.allow(caller):
+        The parts of one download come from one snapshot (kept while it is current), so
+        they agree. Rate-limited per caller on what costs: a first part or a new snapshot
+        (a small request costs ~12 bytes a parameter to answer)."""
+        msg = self._small_request(request, wire.STATE_REQUEST)
+        if isinstance(msg, bytes):
+            return msg
+        part = int(msg.meta.get("part", 0))
+        cached = self._serving.get(msg.fragment)
+        fresh = cached is not None and cached.round == self.state.round_of(msg.fragment)
+        if (part == 0 or not fresh) and not self.state_limiter.allow(caller):
             log.warning("rpc_rejected reason=rate_limited name=get_state caller=%s", caller[-8:])
             return messages.reply(
                 self.run, 0, 0, self.transport.peer_id, messages.REJECTED, reason="get_state rate limited"
             )
-        msg = self._small_request(request, wire.STATE_REQUEST)
-        if isinstance(msg, bytes):
-            return msg
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.worker, self._encode_state, msg.fragment)
-
-    def _encode_state(self, fragment: int) -> bytes:
-        snapshot = self.state.export_fragment(fragment)
-        fp32 = compress.make_codec("fp32")
-        tensors = {f"p/{n}": fp32.encode(t) for n, t in snapshot.params.items()}
-        tensors.update({f"m/{n}": fp32.encode(t) for n, t in snapshot.momentum.items()})
-        tensors.update(
-            {f"a/{n}": fp32.encode(t) for n, t in getattr(snapshot, "accumulated", {}).items()}
-        )
-        return wire.encode_message(
-            wire.Message(
-                kind=messages.STATE_REPLY,
-                run=self.run,
-                round=snapshot.round,
-                fragment=snapshot.fragment,
-                meta={"peer": self.transport.peer_id, "hash": snapshot.hash},
-                tensors=tensors,
+        frame = await loop.run_in_executor(self.worker, self._encode_state, msg.fragment, part)
+        if frame is None:
+            return messages.reply(
+                self.run, msg.round, msg.fragment, self.transport.peer_id, messages.REJECTED,
+                reason=f"no part {part}",
             )
-        )
+        return frame
+
+    def _encode_state(self, fragment: int, part: int) -> bytes | None:
+        """Part `part` of the fragment's current snapshot (worker thread)."""
+        snapshot = self._serving.get(fragment)
+        if snapshot is None or snapshot.round != self.state.round_of(fragment):
+            snapshot = self._serving[fragment] = self.state.export_fragment(fragment)
+        return encode_part(self.run, self.transport.peer_id, snapshot, part, self.limits)
 
     # --- who is entitled -----------------------------------------------------------------
 
@@ -529,19 +531,8 @@ class ReplicaSync:
         fragment = record.fragment
         if self.state.round_of(fragment) == record.round and self.parent_hash(fragment, record.round) == record.parent:
             return self.state.export_fragment(fragment)
-        request = wire.encode_message(
-            wire.Message(kind=wire.STATE_REQUEST, run=self.run, round=record.round, fragment=fragment,
-                         meta={"peer": self.transport.peer_id})
-        )
-        try:
-            raw = await self.transport.call(
-                donor, f"{self.run}.{messages.RPC_GET_STATE}", request,
-                timeout_s=STATE_TIMEOUT_S, max_response_bytes=self.limits.max_frame_bytes,
-            )
-        except TransportError:
-            return None
+        state = await self._download_from(donor, fragment, record.round)
         loop = asyncio.get_running_loop()
-        state = await loop.run_in_executor(self.worker, self._parse_state, raw, fragment)
         if state is None or state.hash != record.parent or state.round != record.round:
             return None
         names = self.state.fragments[fragment]
@@ -638,29 +629,10 @@ class ReplicaSync:
             log.warning("no donor for fragment=%d round=%d", fragment, head)
             return False
         start = fragment % len(donors)  # spread a joiner's downloads over donors
-        request = wire.encode_message(
-            wire.Message(
-                kind=wire.STATE_REQUEST, run=self.run, round=head, fragment=fragment,
-                meta={"peer": me},
-            )
-        )
         loop = asyncio.get_running_loop()
         for donor in donors[start:] + donors[:start]:
-            try:
-                raw = await self.transport.call(
-                    donor,
-                    f"{self.run}.{messages.RPC_GET_STATE}",
-                    request,
-                    timeout_s=STATE_TIMEOUT_S,
-                    max_response_bytes=self.limits.max_frame_bytes,
-                )
-            except TransportError as exc:
-                log.warning("state download failed donor=%s error=%r", donor[-8:], exc)
-                continue
-            self.bytes_received += len(raw)
-            state = await loop.run_in_executor(self.worker, self._parse_state, raw, fragment)
+            state = await self._download_from(donor, fragment, head)
             if state is None:
-                log.warning("malformed state from donor=%s: refused", donor[-8:])
                 continue
             record = wanted.get(state.hash)
             if record is None or record.round != state.round - 1:
@@ -694,39 +666,39 @@ class ReplicaSync:
             return True
         return False
 
-    def _parse_state(self, raw: bytes, fragment: int) -> FragmentState | None:
-        """A donor's reply as a FragmentState, or None when it is not a valid one."""
-        msg = wire.decode_message(raw, self.limits)
-        if (
-            isinstance(msg, wire.Rejected)
-            or msg.kind != messages.STATE_REPLY
-            or msg.fragment != fragment
-            or msg.run != self.run
-            or msg.round < 1
-        ):
-            return None
-        try:
-            expected = {f"{k}/{n}": shape for k in "pma" for n, shape in self.shapes[fragment].items()}
-            # every parameter and momentum tensor; the delayed-Nesterov sums only if sent
-            layout = {k: s for k, s in expected.items() if k in msg.tensors or not k.startswith("a/")}
-            tensors = compress.decode_tensors(msg.tensors, shapes=layout)
-        except ValueError:
-            return None
-        parts: dict[str, dict] = {"p": {}, "m": {}, "a": {}}
-        for key, tensor in tensors.items():
-            prefix, _, name = key.partition("/")
-            if prefix not in parts:
-                return None
-            parts[prefix][name] = tensor
-        extra = {"accumulated": parts["a"]} if parts["a"] else {}
-        try:
-            return FragmentState(
-                fragment=fragment,
-                round=msg.round,
-                params=parts["p"],
-                momentum=parts["m"],
-                hash=str(msg.meta["hash"]),
-                **extra,
+    async def _download_from(self, donor: str, fragment: int, head: int) -> FragmentState | None:
+        """Every part of `fragment`'s state from `donor`, or None (logged) when it fails."""
+        me = self.transport.peer_id
+        assembler = PartsAssembler(fragment, self.state.fragments[fragment])
+        loop = asyncio.get_running_loop()
+        while not assembler.complete:
+            request = wire.encode_message(
+                wire.Message(
+                    kind=wire.STATE_REQUEST, run=self.run, round=head, fragment=fragment,
+                    meta={"peer": me, "part": assembler.next_part},
+                )
             )
-        except TypeError:
+            try:
+                raw = await self.transport.call(
+                    donor,
+                    f"{self.run}.{messages.RPC_GET_STATE}",
+                    request,
+                    timeout_s=STATE_TIMEOUT_S,
+                    max_response_bytes=self.limits.max_frame_bytes,
+                )
+            except TransportError as exc:
+                log.warning("state download failed donor=%s error=%r", donor[-8:], exc)
+                return None
+            self.bytes_received += len(raw)
+            piece = await loop.run_in_executor(
+                self.worker, decode_part, raw, self.run, fragment, self.shapes[fragment], self.limits
+            )
+            reason = piece if isinstance(piece, str) else assembler.add(piece)
+            if reason:
+                log.warning("state from donor=%s refused reason=%r", donor[-8:], reason[:200])
+                return None
+        state = assembler.state()
+        if isinstance(state, str):
+            log.warning("state from donor=%s refused reason=%r", donor[-8:], state)
             return None
+        return state

@@ -188,7 +188,15 @@ register_kind(
         bounds={"tokens": (0, MAX_COUNT), "grace_s": (0.0, math.inf)},
     )
 )
-register_kind(MessageKind(STATE_REQUEST, required={"peer": "str"}, carries_tensors=False))
+register_kind(
+    MessageKind(
+        STATE_REQUEST,
+        required={"peer": "str"},
+        optional={"part": "uint"},
+        bounds={"part": (0, MAX_COUNT)},
+        carries_tensors=False,
+    )
+)
 register_kind(
     MessageKind(
         STATE_CHUNK,

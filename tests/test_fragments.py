@@ -57,3 +57,16 @@ def test_fragments_are_staggered_by_h_over_f() -> None:
     }
     # every fragment every H steps, one fragment at a time
     assert all(len(v) == 1 for v in due.values())
+
+
+def test_a_fragment_too_big_for_one_frame_names_the_fragments_needed() -> None:
+    from p2pdiloco.fragments import frame_problem
+
+    sizes = {"emb": 300, "w1": 200, "w2": 200, "b": 10}
+    one = partition_fragments(sizes, 1)
+    problem = frame_problem(sizes, one, max_elements=400, max_bytes=1 << 30)
+    assert "sync.num_fragments=1 puts 710 elements in fragment 0" in problem
+    assert "at most 400" in problem and "sync.num_fragments >= 2" in problem
+    assert frame_problem(sizes, partition_fragments(sizes, 2), 400, 1 << 30) == ""
+    # the byte limit counts too (fp32, 1 MiB for the header)
+    assert "at most 256" in frame_problem(sizes, one, 1 << 28, (1 << 20) + 1024)

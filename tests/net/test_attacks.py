@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -99,23 +100,49 @@ def test_a_strangers_attacks_are_refused_and_the_run_keeps_closing_rounds() -> N
     assert [peer.wait_exit(60) for peer in peers] == [0] * len(peers)
 
 
-def byzantine_modes(peer, fragment: int = 0) -> dict[int, str]:
-    """Round -> how the Byzantine learner corrupted its contribution to that round of
-    `fragment` (from its log; a resend to the same round overwrites)."""
-    modes = {}
+def byzantine_modes(peer, fragment: int = 0) -> dict[int, list[str]]:
+    """Round -> how the Byzantine learner corrupted each contribution it sent to that round
+    of `fragment`, in order (from its log; a refused or moved one may be sent again)."""
+    modes: dict[int, list[str]] = {}
     for line in Path(peer.stderr_path).read_text(errors="replace").splitlines():
         if "byzantine mode=" in line:
             fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
             if int(fields["fragment"]) == fragment:
-                modes[int(fields["round"])] = fields["mode"]
+                modes.setdefault(int(fields["round"]), []).append(fields["mode"])
     return modes
+
+
+def screened_so_far(logs: list[Events], evil_log: Events, evil) -> tuple[dict[str, int], tuple]:
+    """How many rounds of fragment 0 screened each attack mode so far (asserting, round by
+    round, that a x1000 or flipped delta was never merged and an inflated claim counted
+    at most twice an honest weight); and the evidence, for a failure message."""
+    modes = byzantine_modes(evil)
+    every = [e for log in [*logs, evil_log] for e in log.seen if e.get("fragment") == 0]
+    closed = {e["round"]: e for e in every if e["event"] == "round_closed"}
+    refused_at_door = {
+        e["round"] for e in every if e["event"] == "rejected" and e["peer"] == evil.peer_id
+    }
+    screened = {mode: 0 for mode in ("scale", "flip", "tokens")}
+    for round_id, sent in modes.items():
+        event = closed.get(round_id, {"contributors": [], "weights": [], "refused": []})
+        weights = dict(zip(event["contributors"], event["weights"], strict=True))
+        if set(sent) <= {"scale", "flip"}:  # never merged, not even clipped
+            assert evil.peer_id not in weights, (round_id, sent, event)
+        if evil.peer_id in event["refused"] or round_id in refused_at_door:
+            for mode in set(sent) & {"scale", "flip"}:
+                screened[mode] += 1
+        if sent == ["tokens"] and evil.peer_id in weights:  # counted, but not its claim
+            honest = [w for p, w in weights.items() if p != evil.peer_id]
+            assert weights[evil.peer_id] <= 2.0 * max(honest) + 1e-9, (round_id, event)
+            screened["tokens"] += 1
+    return screened, (modes, refused_at_door, {r: e["refused"] for r, e in closed.items()})
 
 
 def test_a_byzantine_learner_is_screened_out_and_the_model_keeps_learning() -> None:
     boot = start_bootstrap()
     sets = ["sync.min_quorum=3", "sync.max_grace_s=20"]
     honest_args = [
-        join_args(initial=boot.maddrs, sets=sets, flags=["--max-rounds", "10"]) for _ in range(3)
+        join_args(initial=boot.maddrs, sets=sets, flags=["--max-rounds", "60"]) for _ in range(3)
     ]
     evil_args = [
         str(BYZANTINE),
@@ -127,33 +154,23 @@ def test_a_byzantine_learner_is_screened_out_and_the_model_keeps_learning() -> N
     *peers, evil = start_peer_processes([*honest_args, evil_args], ready_timeout_s=240)
     logs = [Events(p) for p in peers]
     evil_log = Events(evil)
-    wait_all(logs, applied(8), ROUND_WAIT_S)
-    for log in [*logs, evil_log]:
-        log.drain(quiet_s=1.0, max_s=5.0)
-    modes = byzantine_modes(evil)
-    every = [e for log in [*logs, evil_log] for e in log.seen if e.get("fragment") == 0]
-    closed = {e["round"]: e for e in every if e["event"] == "round_closed"}
-    refused_at_door = {
-        e["round"] for e in every if e["event"] == "rejected" and e["peer"] == evil.peer_id
-    }
-    screened = {mode: 0 for mode in ("scale", "flip", "tokens")}
-    for round_id, mode in modes.items():
-        event = closed.get(round_id, {"contributors": [], "weights": [], "refused": []})
-        weights = dict(zip(event["contributors"], event["weights"], strict=True))
-        if mode in ("scale", "flip"):  # never merged, not even clipped
-            assert evil.peer_id not in weights, (round_id, mode, event)
-            if evil.peer_id in event["refused"] or round_id in refused_at_door:
-                screened[mode] += 1
-        if mode == "tokens" and evil.peer_id in weights:  # counted, but not its claim
-            honest = [w for p, w in weights.items() if p != evil.peer_id]
-            assert weights[evil.peer_id] <= 2.0 * max(honest) + 1e-9, (round_id, event)
-            screened[mode] += 1
-    assert all(screened.values()), (
-        screened,
-        modes,
-        refused_at_door,
-        {r: e["refused"] for r, e in closed.items()},
-    )
+    # A loaded machine makes the attacker late for some windows (its delta then goes to
+    # the next round, in the next mode): wait, round by round, until every mode met the
+    # screening at least once.
+    deadline = time.monotonic() + ROUND_WAIT_S
+    target = 8
+    while True:
+        try:
+            wait_all(logs, applied(target), max(deadline - time.monotonic(), 1.0))
+        except TimeoutError:
+            pass  # judged on what was seen, below
+        for log in [*logs, evil_log]:
+            log.drain(quiet_s=1.0, max_s=5.0)
+        screened, evidence = screened_so_far(logs, evil_log, evil)
+        if all(screened.values()) or time.monotonic() > deadline:
+            break
+        target += 2
+    assert all(screened.values()), (screened, *evidence)
     # the honest learners never diverged, agree bit for bit, and kept learning
     for log in logs:
         assert not log.of("local_reset")
