@@ -9,7 +9,8 @@ closing rounds with identical replicas and every honest learner still a member.
 
 A Byzantine learner (tests/net/byzantine.py: the real peer, its contributions corrupted)
 sends x1000, sign-flipped, token-inflated and stale deltas among three honest learners:
-screening refuses the first two, caps the third's weight, and the model keeps learning.
+screening refuses the first two and bounds the third's weight (once the learner is banned
+as a repeat offender, all three are refused at the door), and the model keeps learning.
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def screened_so_far(logs: list[Events], evil_log: Events, evil) -> tuple[dict[st
         if set(sent) <= {"scale", "flip"}:  # never merged, not even clipped
             assert evil.peer_id not in weights, (round_id, sent, event)
         if evil.peer_id in event["refused"] or round_id in refused_at_door:
-            for mode in set(sent) & {"scale", "flip"}:
+            # refused by the screening, or at the door once banned as a repeat offender
+            for mode in set(sent) & {"scale", "flip", "tokens"}:
                 screened[mode] += 1
         if sent == ["tokens"] and evil.peer_id in weights:  # counted, but not its claim
             honest = [w for p, w in weights.items() if p != evil.peer_id]
