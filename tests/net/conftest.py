@@ -21,10 +21,26 @@ def reap_peer_processes() -> Iterator[None]:
         reap_all()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Networked tests (and only they) may be rerun once, so a rare timing flake of real
     processes on a loaded machine does not throw away a run. pytest names every rerun in
     its summary (`-ra`: lines starting with RERUN); each one is a bug to explain."""
+    global _terminal
+    _terminal = config.pluginmanager.get_plugin("terminalreporter")
     for item in items:
         if "tests/net/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(pytest.mark.flaky(reruns=1))
+
+
+_terminal = None
+"""pytest's terminal reporter, once collection has run."""
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Print why a networked test needed its rerun (pytest shows only final failures), so a
+    flake in CI can be explained from its log."""
+    if report.outcome == "rerun" and _terminal is not None:
+        lines = report.longreprtext.splitlines()
+        _terminal.write_line(f"\nRERUN CAUSE {report.nodeid}:")
+        for line in lines[-40:]:
+            _terminal.write_line(f"    {line}")
