@@ -57,7 +57,7 @@ def _candidate(
         return "contribution is for another round"
     if {n: tuple(t.shape) for n, t in msg.tensors.items()} != dict(shapes):
         return "contribution does not match the fragment's layout"
-    delta = wire.decode_tensors(msg)
+    delta = wire.lazy_tensors(msg)
     if isinstance(delta, wire.Rejected):
         return delta.reason
     base_round = int(msg.meta["base_round"])

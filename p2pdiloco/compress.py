@@ -31,7 +31,7 @@ import math
 import sys
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,11 +48,13 @@ __all__ = [
     "Codec",
     "EncodedTensor",
     "ErrorFeedback",
+    "LazyTensors",
     "check_layout",
     "codec_for",
     "decode_tensor",
     "decode_tensors",
     "encode_tensors",
+    "lazy_tensors",
     "make_codec",
     "make_codec_from_config",
 ]
@@ -788,21 +790,12 @@ def encode_tensors(
     return encoded
 
 
-def decode_tensors(
+def _check_sizes(
     encoded: Mapping[str, EncodedTensor],
-    *,
-    shapes: Mapping[str, tuple[int, ...]] | None = None,
-    max_total_elements: int = MAX_DECODE_ELEMENTS,
-    finite: bool = True,
-) -> dict[str, torch.Tensor]:
-    """Decode untrusted tensors by name; ValueError naming the first one that is not valid.
-
-    Every size is checked before the first tensor is decoded: with `shapes`, the names
-    must be exactly its keys and each shape its value; without, the element count over
-    all tensors is at most `max_total_elements`. With `finite` (the default: these are
-    deltas, updates and state from the network), NaN or Inf anywhere is a ValueError.
-    Any input, of any type, gives tensors or a ValueError.
-    """
+    shapes: Mapping[str, tuple[int, ...]] | None,
+    max_total_elements: int,
+) -> None:
+    """Names, types and sizes of untrusted tensors, before anything is allocated."""
     if not isinstance(encoded, Mapping):
         raise ValueError(f"tensors must be a map of names, got {type(encoded).__name__}")
     if shapes is not None:
@@ -829,6 +822,24 @@ def decode_tensors(
             raise ValueError(f"tensor {name!r:.60}: {exc}") from None
         if shapes is None and total > max_total_elements:
             raise ValueError(f"tensors hold more than {max_total_elements} elements")
+
+
+def decode_tensors(
+    encoded: Mapping[str, EncodedTensor],
+    *,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+    max_total_elements: int = MAX_DECODE_ELEMENTS,
+    finite: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Decode untrusted tensors by name; ValueError naming the first one that is not valid.
+
+    Every size is checked before the first tensor is decoded: with `shapes`, the names
+    must be exactly its keys and each shape its value; without, the element count over
+    all tensors is at most `max_total_elements`. With `finite` (the default: these are
+    deltas, updates and state from the network), NaN or Inf anywhere is a ValueError.
+    Any input, of any type, gives tensors or a ValueError.
+    """
+    _check_sizes(encoded, shapes, max_total_elements)
     out = {}
     for name, tensor in encoded.items():
         try:
@@ -836,6 +847,56 @@ def decode_tensors(
         except ValueError as exc:
             raise ValueError(f"tensor {name!r:.60}: {exc}") from None
     return out
+
+
+class LazyTensors(Mapping[str, torch.Tensor]):
+    """Validated encoded tensors that decode on each access, one tensor at a time.
+
+    A synchronizer holds every contribution of a window until it merges: as fp32 that is
+    M copies of the fragment, as received (int8: a quarter of that) it is what the audit
+    store keeps anyway. The merge reads tensor by tensor, so with these its fp32 working
+    set is M copies of the largest tensor, not of the fragment. Decoding is deterministic:
+    every access gives the same bits. Build with `lazy_tensors`, which validates first.
+    """
+
+    def __init__(self, encoded: Mapping[str, EncodedTensor]) -> None:
+        self._encoded = dict(encoded)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return decode_tensor(self._encoded[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._encoded)
+
+    def __len__(self) -> int:
+        return len(self._encoded)
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape, without decoding anything."""
+        return {name: tuple(e.shape) for name, e in self._encoded.items()}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (the encoded payloads)."""
+        return sum(e.nbytes for e in self._encoded.values())
+
+
+def lazy_tensors(
+    encoded: Mapping[str, EncodedTensor],
+    *,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+    max_total_elements: int = MAX_DECODE_ELEMENTS,
+) -> LazyTensors:
+    """`decode_tensors`' checks (sizes first, then every tensor decoded once and found
+    finite, one at a time) without keeping the decoded tensors: ValueError if any fails."""
+    _check_sizes(encoded, shapes, max_total_elements)
+    for name, tensor in encoded.items():
+        try:
+            decode_tensor(tensor, finite=True)
+        except ValueError as exc:
+            raise ValueError(f"tensor {name!r:.60}: {exc}") from None
+    return LazyTensors(encoded)
 
 
 # ---------------------------------------------------------------------------------------

@@ -210,9 +210,12 @@ def merge_weighted(
         raise ValueError("cannot merge zero deltas")
     merged: Params = {}
     for name in deltas[0]:
-        acc = torch.zeros_like(deltas[0][name], dtype=torch.float32)
+        acc: torch.Tensor | None = None
         for delta, weight in zip(deltas, weights, strict=True):
-            _add_scaled_(acc, delta[name].float(), float(weight))
+            tensor = delta[name].float()  # read once: a lazy delta decodes on each access
+            if acc is None:
+                acc = torch.zeros_like(tensor)
+            _add_scaled_(acc, tensor, float(weight))
         merged[name] = acc
     return merged
 
@@ -253,31 +256,47 @@ def merge_radial(
         raise ValueError("cannot merge zero deltas")
     if norm not in ("mean", "median"):
         raise ValueError(f"norm must be 'mean' or 'median', got {norm!r}")
-    merged: Params = {}
-    for name in deltas[0]:
-        tensors = [d[name].float() for d in deltas]
-        if name in plain_mean_names:
-            merged[name] = merge_weighted([{name: t} for t in tensors], weights)[name]
-            continue
-        norms = [_l2_norm(t) for t in tensors]
-        direction = torch.zeros_like(tensors[0])
-        for t, n, w in zip(tensors, norms, weights, strict=True):
-            if n > _EPS:
-                # the coefficient in Python (float64), then one multiply and one add
-                _add_scaled_(direction, t, float(w) / n)
-        direction_norm = _l2_norm(direction)
-        total_weight = math.fsum(weights)
-        if direction_norm < cancel_ratio * total_weight:
-            merged[name] = merge_weighted([{name: t} for t in tensors], weights)[name]
-            continue
-        radius = (
-            _weighted_median(norms, weights)
-            if norm == "median"
-            else math.fsum(w * n for w, n in zip(weights, norms, strict=True))
-            / max(total_weight, _EPS)
+    # One tensor name at a time, its M tensors passed as a temporary list: they are freed
+    # before the next name's are read (lazy deltas decode on access).
+    return {
+        name: _radial_tensor(
+            [d[name].float() for d in deltas],
+            weights,
+            norm=norm,
+            plain_mean=name in plain_mean_names,
+            cancel_ratio=cancel_ratio,
         )
-        merged[name] = direction.mul_(radius / direction_norm)
-    return merged
+        for name in deltas[0]
+    }
+
+
+def _radial_tensor(
+    tensors: list[torch.Tensor],
+    weights: Sequence[float],
+    *,
+    norm: str,
+    plain_mean: bool,
+    cancel_ratio: float,
+) -> torch.Tensor:
+    """`merge_radial` for the M versions of one tensor."""
+    if plain_mean:
+        return merge_weighted([{"t": t} for t in tensors], weights)["t"]
+    norms = [_l2_norm(t) for t in tensors]
+    direction = torch.zeros_like(tensors[0])
+    for t, n, w in zip(tensors, norms, weights, strict=True):
+        if n > _EPS:
+            # the coefficient in Python (float64), then one multiply and one add
+            _add_scaled_(direction, t, float(w) / n)
+    direction_norm = _l2_norm(direction)
+    total_weight = math.fsum(weights)
+    if direction_norm < cancel_ratio * total_weight:
+        return merge_weighted([{"t": t} for t in tensors], weights)["t"]
+    radius = (
+        _weighted_median(norms, weights)
+        if norm == "median"
+        else math.fsum(w * n for w, n in zip(weights, norms, strict=True)) / max(total_weight, _EPS)
+    )
+    return direction.mul_(radius / direction_norm)
 
 
 def merge(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import resource
 import threading
 import time
 from collections.abc import Callable
@@ -329,6 +330,8 @@ class PeerDaemon:
             "latencies_s": p.latencies_s,
             "eval_loss": p.eval_loss,
             "hashes": [state.fragment_hash(f) for f in range(state.num_fragments)],
+            # Linux reports kilobytes: the process's peak resident memory so far
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }
 
     def rounds_reached(self) -> list[int]:

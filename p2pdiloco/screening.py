@@ -82,7 +82,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -332,12 +332,37 @@ def momentum_cosines(
 
 
 def gram(deltas: Sequence[Mapping[str, torch.Tensor]]) -> list[list[float]]:
-    """Pairwise dot products (the diagonal is left 0: cosines use the norms instead)."""
-    g = [[0.0] * len(deltas) for _ in deltas]
-    for i in range(len(deltas)):
-        for j in range(i + 1, len(deltas)):
-            g[i][j] = g[j][i] = dot(deltas[i], deltas[j])
+    """Pairwise dot products (the diagonal is left 0: cosines use the norms instead).
+
+    Tensor by tensor: each delta's tensor is read once per name, not once per pair, so a
+    window of `LazyTensors` decodes each contribution once and holds M copies of one
+    tensor at a time. The same bits as `dot` on each pair: the chunk partials are the
+    same numbers and `math.fsum` does not depend on their order.
+    """
+    count = len(deltas)
+    partials: list[list[list[float]]] = [[[] for _ in range(count)] for _ in range(count)]
+    for name in deltas[0] if deltas else ():
+        # a temporary list: one name's tensors are freed before the next name's are read
+        _add_pair_partials(name, [d[name].detach().reshape(-1) for d in deltas], partials)
+    g = [[0.0] * count for _ in range(count)]
+    for i in range(count):
+        for j in range(i + 1, count):
+            g[i][j] = g[j][i] = math.fsum(partials[i][j])
     return g
+
+
+def _add_pair_partials(name: str, flats: list[torch.Tensor], partials: list[list[list[float]]]) -> None:
+    """Append the chunk partials of every pair's dot product over one tensor."""
+    for i in range(len(flats)):
+        for j in range(i + 1, len(flats)):
+            x, y = flats[i], flats[j]
+            if x.numel() != y.numel():
+                raise ValueError(f"{name}: {x.numel()} elements against {y.numel()}")
+            for start in range(0, x.numel(), _DOT_CHUNK):
+                stop = min(start + _DOT_CHUNK, x.numel())
+                product = x[start:stop].to(torch.float64)
+                product.mul_(y[start:stop].to(torch.float64))
+                partials[i][j].append(fixed_order_sum(product))
 
 
 def loo_cosine(
@@ -372,26 +397,54 @@ def trimmed_mean(deltas: Sequence[Mapping[str, torch.Tensor]], trim_fraction: fl
     trim = math.floor(trim_fraction * count)
     if trim_fraction < 0.0 or 2 * trim >= count:
         raise ValueError(f"trim_fraction {trim_fraction} leaves nothing of {count} deltas")
-    merged: Params = {}
-    for name, first in deltas[0].items():
-        flats = [d[name].detach().float().reshape(-1) for d in deltas]
-        out = torch.empty(first.numel(), dtype=torch.float32)
-        for start in range(0, out.numel(), _DOT_CHUNK):
-            stop = min(start + _DOT_CHUNK, out.numel())
-            values = torch.stack([f[start:stop] for f in flats]).sort(dim=0).values
-            acc = values[trim].to(torch.float64)
-            for row in range(trim + 1, count - trim):
-                acc.add_(values[row].to(torch.float64))
-            out[start:stop] = acc.div_(count - 2 * trim).to(torch.float32)
-        merged[name] = out.reshape(first.shape)
-    return merged
+    # one name at a time, its tensors a temporary list (lazy deltas decode on access)
+    return {name: _trimmed_tensor([d[name].detach().float() for d in deltas], trim) for name in deltas[0]}
 
 
-def scaled(delta: Mapping[str, torch.Tensor], scale: float) -> Params:
+def _trimmed_tensor(tensors: list[torch.Tensor], trim: int) -> torch.Tensor:
+    """`trimmed_mean` over the K versions of one tensor."""
+    count, shape = len(tensors), tensors[0].shape
+    flats = [t.reshape(-1) for t in tensors]
+    out = torch.empty(flats[0].numel(), dtype=torch.float32)
+    for start in range(0, out.numel(), _DOT_CHUNK):
+        stop = min(start + _DOT_CHUNK, out.numel())
+        values = torch.stack([f[start:stop] for f in flats]).sort(dim=0).values
+        acc = values[trim].to(torch.float64)
+        for row in range(trim + 1, count - trim):
+            acc.add_(values[row].to(torch.float64))
+        out[start:stop] = acc.div_(count - 2 * trim).to(torch.float32)
+    return out.reshape(shape)
+
+
+class Scaled(Mapping[str, torch.Tensor]):
+    """A delta times `scale`, computed per tensor on access: one fp32 rounding per element,
+    the same bits as scaling it whole, without a second copy of the fragment."""
+
+    def __init__(self, delta: Mapping[str, torch.Tensor], scale: float) -> None:
+        self._delta, self._scale = delta, scale
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self._delta[name].float()
+        return tensor if self._scale == 1.0 else torch.mul(tensor, self._scale)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._delta)
+
+    def __len__(self) -> int:
+        return len(self._delta)
+
+
+def scaled(delta: Mapping[str, torch.Tensor], scale: float) -> Mapping[str, torch.Tensor]:
     """The delta times `scale`, one fp32 rounding per element (the delta itself at 1.0)."""
-    if scale == 1.0:
-        return {name: t.float() for name, t in delta.items()}
-    return {name: torch.mul(t.float(), scale) for name, t in delta.items()}
+    return Scaled(delta, scale)
+
+
+def layout_of(delta: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of a delta; a `compress.LazyTensors` answers without decoding."""
+    shapes = getattr(delta, "shapes", None)
+    if isinstance(shapes, dict):
+        return shapes
+    return {name: tuple(t.shape) for name, t in delta.items()}
 
 
 # --- the whole window ----------------------------------------------------------------------
@@ -435,7 +488,7 @@ def screen(
     layout = {n: tuple(t.shape) for n, t in params.items()} if params else None
     norms = [tensor_norm(c.delta) for c in candidates]
     for i, c in enumerate(candidates):
-        if layout is not None and {n: tuple(t.shape) for n, t in c.delta.items()} != layout:
+        if layout is not None and layout_of(c.delta) != layout:
             reasons[i] = "delta layout differs from the fragment"
         elif c.steps <= 0 or tokens[i] <= 0:
             reasons[i] = "contribution claims no work"

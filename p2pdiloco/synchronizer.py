@@ -240,7 +240,7 @@ class Synchronizer:
                 return self._late_reply(target, fragment, "round already closed elsewhere")
         loop = asyncio.get_running_loop()
         layout = {n: tuple(self.state.params[n].shape) for n in self.state.fragments[fragment]}
-        delta = await loop.run_in_executor(self.worker, wire.decode_tensors, msg, layout)
+        delta = await loop.run_in_executor(self.worker, wire.lazy_tensors, msg, layout)
         if isinstance(delta, wire.Rejected):
             return self._reject(target, fragment, delta.reason, caller)
         if self.state.round_of(fragment) != target:

@@ -44,6 +44,7 @@ __all__ = [
     "WireLimits",
     "decode_message",
     "decode_tensors",
+    "lazy_tensors",
     "encode_message",
     "iter_chunks",
     "message_kinds",
@@ -538,6 +539,25 @@ def decode_tensors(
         return compress.decode_tensors(
             msg.tensors, shapes=shapes, max_total_elements=max_total_elements, finite=True
         )
+    except ValueError as exc:
+        return Rejected(str(exc))
+    except Exception as exc:  # last resort, as in decode_message
+        logger.warning("tensor decode failed unexpectedly error=%r", exc)
+        return Rejected(f"malformed tensors: {type(exc).__name__}: {exc}")
+
+
+def lazy_tensors(
+    msg: Message,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+    *,
+    max_total_elements: int = compress.MAX_DECODE_ELEMENTS,
+) -> compress.LazyTensors | Rejected:
+    """`decode_tensors`' checks, keeping the tensors encoded (decoded again on each access):
+    what a synchronizer holds until the merge, so its memory does not grow as M × fp32."""
+    if not isinstance(msg, Message):
+        return Rejected(f"expected a Message, got {type(msg).__name__}")
+    try:
+        return compress.lazy_tensors(msg.tensors, shapes=shapes, max_total_elements=max_total_elements)
     except ValueError as exc:
         return Rejected(str(exc))
     except Exception as exc:  # last resort, as in decode_message
