@@ -1,0 +1,68 @@
+"""The pure parts of the evidence benchmarks (scripts/bench_wan.py, scripts/bench_memory.py):
+how a speed-up crossing and a time to target are read, and one real merge measurement."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
+
+
+bench_wan = _load("bench_wan")
+bench_memory = _load("bench_memory")
+
+
+def test_the_crossing_rate_is_interpolated_on_log_scales() -> None:
+    # 100x at 10 Mbit/s and 1x at 1000: 10x half-way in log rate, at 100 Mbit/s
+    assert bench_wan.crossing([10, 1000], [100.0, 1.0]) == pytest.approx(100.0)
+    assert bench_wan.crossing([10, 100, 1000], [40.0, 20.0, 5.0]) == pytest.approx(
+        100 * 10 ** (1 / 2), rel=1e-9
+    )
+    assert bench_wan.crossing([10, 100], [20.0, 15.0]) is None  # never crosses
+    assert bench_wan.crossing([10, 100], [None, 5.0]) is None  # a rate without a figure
+
+
+def test_time_to_target_is_the_first_point_at_or_below_it() -> None:
+    curve = [{"t": 0, "eval_loss": 5.0}, {"t": 10, "eval_loss": 2.0}, {"t": 20, "eval_loss": 1.5}]
+    assert bench_wan.time_to(curve, 2.0) == 10
+    assert bench_wan.time_to(curve, 1.0) is None
+
+
+def test_bench_wan_refuses_to_run_without_root_in_one_line(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(bench_wan.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(sys, "argv", ["bench_wan.py", "--quick"])
+    assert bench_wan.main() == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "root" in err
+
+
+def test_a_lazy_window_holds_a_quarter_of_an_eager_one() -> None:
+    """One real measurement, as the benchmark takes it (its own process)."""
+    rows = {}
+    for mode in ("lazy", "eager"):
+        done = subprocess.run(
+            [sys.executable, str(SCRIPTS / "bench_memory.py"), "--merge-worker", "tiny", "3", mode],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        rows[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+    lazy, eager = rows["lazy"], rows["eager"]
+    assert eager["held_exact_bytes"] == 3 * 4 * eager["parameters"]
+    assert lazy["held_exact_bytes"] < 0.3 * eager["held_exact_bytes"]
+    assert lazy["contributions"] == 3
