@@ -23,6 +23,11 @@ from p2pdiloco import compress, messages, wire
 
 MAX_KEPT_PER_FRAGMENT = 48
 """Update frames kept per fragment (committed and held), oldest dropped first."""
+MAX_KEPT_BYTES_PER_FRAGMENT = 512 << 20
+"""...and at most this many bytes of them per fragment (a `150m` update with P = 2 is
+~150 MB held: frame and parsed payloads), keeping at least `MIN_KEPT_PER_FRAGMENT`. A
+replica behind by more than what peers keep downloads the state instead (replica_sync)."""
+MIN_KEPT_PER_FRAGMENT = 2
 
 
 def update_digest(frame: bytes) -> str:
@@ -43,6 +48,11 @@ class Update:
     hash: str
     contributors: tuple[tuple[str, float, int], ...]
     tensors: dict[str, compress.EncodedTensor]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this update holds: its frame and the parsed payloads."""
+        return len(self.frame) + sum(t.nbytes for t in self.tensors.values())
 
     def decode(self) -> dict[str, torch.Tensor]:
         """The outer gradient (heavy: call off the event loop). ValueError if bad or not finite."""
@@ -129,16 +139,27 @@ def parse_update(
 class UpdateStore:
     """Update frames this peer holds (committed or not yet), by digest, bounded per fragment."""
 
-    def __init__(self, max_per_fragment: int = MAX_KEPT_PER_FRAGMENT) -> None:
+    def __init__(
+        self,
+        max_per_fragment: int = MAX_KEPT_PER_FRAGMENT,
+        max_bytes_per_fragment: int = MAX_KEPT_BYTES_PER_FRAGMENT,
+    ) -> None:
         self.max_per_fragment = max_per_fragment
+        self.max_bytes_per_fragment = max_bytes_per_fragment
         self._frames: dict[int, OrderedDict[str, Update]] = {}
 
     def put(self, update: Update) -> None:
         kept = self._frames.setdefault(update.fragment, OrderedDict())
         kept[update.digest] = update
         kept.move_to_end(update.digest)
-        while len(kept) > self.max_per_fragment:
+        while len(kept) > self.max_per_fragment or (
+            len(kept) > MIN_KEPT_PER_FRAGMENT
+            and sum(u.nbytes for u in kept.values()) > self.max_bytes_per_fragment
+        ):
             kept.popitem(last=False)
+
+    def bytes_kept(self) -> int:
+        return sum(u.nbytes for kept in self._frames.values() for u in kept.values())
 
     def get(self, fragment: int, digest: str) -> Update | None:
         return self._frames.get(fragment, {}).get(digest)

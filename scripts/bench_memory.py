@@ -7,8 +7,9 @@ Two parts, each in its own processes (peak RSS is per process):
           peak on top of that while merging; `lazy` holds them as received (decoded one
           tensor at a time, what the synchronizer does), `eager` decoded to fp32 (what it
           did before). The fragment is the whole model (P = 1, the worst case).
-  swarm   a real swarm: a bootstrap node, two peers (learner + synchronizer) and a late
-          joiner in client mode (a learner only) that downloads the state from them; every
+  swarm   a real swarm: a bootstrap node, a full peer (learner + synchronizer, quorum 1)
+          and a late joiner in client mode (a learner only) that comes once the run is
+          further than a replay reaches, downloads the state and trains with it; every
           process reports its peak RSS (`ru_maxrss`) in its summary. Replicas must agree.
 
 Then a memory model (bytes per parameter from the measurements) for the `1b` preset and
@@ -39,7 +40,7 @@ QUICK = {"merge_preset": "tiny", "counts": [2, 4, 8, 16, 32], "swarm_preset": "t
 FULL = {"merge_preset": "small", "counts": [2, 4, 8, 16, 32], "swarm_preset": "150m", "rounds": 3}
 SWARM_SETS = {
     "tiny": ["model.seq_len=64", "train.batch_size=4", "sync.inner_steps=10"],
-    "150m": ["model.seq_len=128", "train.batch_size=2", "sync.inner_steps=4"],
+    "150m": ["model.seq_len=128", "train.batch_size=2", "sync.inner_steps=2"],
 }
 WAIT_S = 1800
 SWARM_FRAGMENTS = 2
@@ -159,9 +160,9 @@ def _kind(kind: str):
 
 
 def run_swarm(preset: str, rounds: int, workdir: Path) -> dict[str, Any]:
-    """Two full peers and a late client-mode joiner train `preset` for `rounds` rounds."""
+    """A full peer and a late client-mode joiner train `preset`; the joiner for `rounds` rounds."""
     sets = [f"model.preset='{preset}'", "train.device='cpu'", f"sync.num_fragments={SWARM_FRAGMENTS}",
-            "sync.min_quorum=2", "train.warmup_steps=2", "data.max_files=300",
+            "sync.min_quorum=1", "train.warmup_steps=2", "data.max_files=300",
             *SWARM_SETS[preset]]  # fmt: skip
     boot = Child.spawn([sys.executable, "-m", "p2pdiloco", "bootstrap", "--events"], "boot", cwd=REPO, env=_env())
     maddrs = boot.wait_ready(300)["maddrs"]
@@ -181,7 +182,7 @@ def run_swarm(preset: str, rounds: int, workdir: Path) -> dict[str, Any]:
     def left() -> float:
         return WAIT_S - (time.monotonic() - started)
 
-    full = [peer(f"peer{i}", "--wait-peers", "2", "--data-rank", str(i), "--data-shards", "3") for i in range(2)]
+    full = [peer("peer0", "--data-rank", "0", "--data-shards", "2")]
     # The joiner comes once every fragment is further than a replay reaches (so it downloads
     # the state) and stays for `rounds` more rounds; the full peers train until it leaves.
     from p2pdiloco.replica_sync import MAX_CATCH_UP_ROUNDS
@@ -190,7 +191,7 @@ def run_swarm(preset: str, rounds: int, workdir: Path) -> dict[str, Any]:
     while min(reached) <= MAX_CATCH_UP_ROUNDS + 1:
         event = full[0].wait_event(_kind("applied"), left())
         reached[event["fragment"]] = max(reached[event["fragment"]], event["round"] + 1)
-    joiner = peer("joiner", "--client-mode", "--data-rank", "2", "--data-shards", "3",
+    joiner = peer("joiner", "--client-mode", "--data-rank", "1", "--data-shards", "2",
                   "--max-rounds", str(max(reached) + rounds))  # fmt: skip
     joiner.wait_event(_kind("summary"), left())
     children = [*full, joiner]
@@ -286,7 +287,7 @@ def memory_model(merge_rows: list[dict[str, Any]], swarm: dict[str, Any], fragme
         "learner_measured_bytes": joiner,
         "learner_model_bytes": learner(swarm_params),
         "full_peer_measured_bytes": full_peer,
-        "full_peer_model_bytes": learner(swarm_params) + window(swarm_params // fragments, 3),
+        "full_peer_model_bytes": learner(swarm_params) + window(swarm_params // fragments, 2),
         "merge_window_measured": [
             {"contributions": r["contributions"], "bytes": r["held_exact_bytes"] + r["merge_extra_bytes"],
              "model_bytes": window(r["parameters"], r["contributions"])}
@@ -315,6 +316,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--skip-swarm", action="store_true", help="the merge sweep only")
+    parser.add_argument("--skip-merge", action="store_true", help="the swarm only (no memory model)")
     parser.add_argument("--merge-worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.merge_worker:
@@ -323,7 +325,8 @@ def main() -> int:
         return 0
     setting = QUICK if args.quick else FULL
     out: dict[str, Any] = {"setting": "quick" if args.quick else "full"}
-    out["merge"] = run_merge(setting["merge_preset"], setting["counts"])
+    if not args.skip_merge:
+        out["merge"] = run_merge(setting["merge_preset"], setting["counts"])
     if not args.skip_swarm:
         import tempfile
 
@@ -332,6 +335,7 @@ def main() -> int:
                 out["swarm"] = run_swarm(setting["swarm_preset"], setting["rounds"], Path(tmp))
             finally:
                 reap_all()
+    if "swarm" in out and "merge" in out:
         out["model"] = memory_model(out["merge"], out["swarm"], SWARM_FRAGMENTS)
         m = out["model"]
         print(

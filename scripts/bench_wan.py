@@ -232,11 +232,17 @@ def run_ddp(setting: dict[str, Any], steps: int) -> dict[str, Any]:
                              env={**os.environ, **_env(), "GLOO_SOCKET_IFNAME": f"{PREFIX}v{rank}"})  # fmt: skip
         )
     reports = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=WAIT_S)
-        if proc.returncode != 0:
-            raise RuntimeError(f"DDP rank failed ({proc.returncode}):\n{err[-3000:]}")
-        reports.append(json.loads(out.strip().splitlines()[-1]))
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=WAIT_S)
+            if proc.returncode != 0:
+                raise RuntimeError(f"DDP rank failed ({proc.returncode}):\n{err[-3000:]}")
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:  # one rank failing leaves the others waiting for it forever
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     sent = [a - b for a, b in zip(sent_bytes(), before, strict=True)]
     wall_s = max(r["wall_s"] for r in reports)
     lone_step_s = sum(r["lone_step_s"] for r in reports) / LEARNERS
