@@ -114,6 +114,8 @@ class ReplicaSync:
         self.admission = admission or Admission()
         self.auditor = auditor
         self._serving: dict[int, FragmentState] = {}
+        self._unfetchable = ""
+        """Digest of the last update no peer could serve."""
         """Per fragment, the snapshot whose parts are being served (replaced once stale)."""
         self.state_limiter = RateLimiter(rate_per_s=1 / 30, burst=2 * state.num_fragments + 2)
         self.audit_share = audit_share
@@ -346,7 +348,12 @@ class ReplicaSync:
                 if not await self._download(fragment, chain):
                     return False
             while (current := self.state.round_of(fragment)) < head:
-                if not await self._apply_record(chain[current]):
+                if await self._apply_record(chain[current]):
+                    continue
+                # An old update nobody holds any more (update stores are bounded by bytes,
+                # a `150m` peer keeps ~3): the state instead, verified by hash like any.
+                if not (self._unfetchable == chain[current].digest and head - current >= 2
+                        and await self._download(fragment, chain)):  # fmt: skip
                     self._notify_settled(fragment, chain)
                     return False
             self._notify_settled(fragment, chain)
@@ -371,6 +378,7 @@ class ReplicaSync:
     async def _apply_record(self, record: RoundRecord) -> bool:
         update = await self._fetch(record)
         if update is None:
+            self._unfetchable = record.digest
             return False
         loop = asyncio.get_running_loop()
         norm = await loop.run_in_executor(self.worker, outer_gradient_norm, update)

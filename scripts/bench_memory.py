@@ -43,6 +43,7 @@ SWARM_SETS = {
     "150m": ["model.seq_len=128", "train.batch_size=2", "sync.inner_steps=2"],
 }
 WAIT_S = 1800
+JOIN_AT_ROUND = {"150m": 5}
 SWARM_FRAGMENTS = 2
 
 
@@ -183,12 +184,14 @@ def run_swarm(preset: str, rounds: int, workdir: Path) -> dict[str, Any]:
         return WAIT_S - (time.monotonic() - started)
 
     full = [peer("peer0", "--data-rank", "0", "--data-shards", "2")]
-    # The joiner comes once every fragment is further than a replay reaches (so it downloads
-    # the state) and stays for `rounds` more rounds; the full peers train until it leaves.
+    # The joiner comes once the updates of round 0 are gone from the peers' stores (bounded
+    # by bytes: ~3 kept at 150m) or a replay would be too long, so it downloads the state,
+    # and stays for `rounds` more rounds; the full peer trains until it leaves.
     from p2pdiloco.replica_sync import MAX_CATCH_UP_ROUNDS
 
+    join_at = JOIN_AT_ROUND.get(preset, MAX_CATCH_UP_ROUNDS + 2)
     reached = [0, 0]
-    while min(reached) <= MAX_CATCH_UP_ROUNDS + 1:
+    while min(reached) < join_at:
         event = full[0].wait_event(_kind("applied"), left())
         reached[event["fragment"]] = max(reached[event["fragment"]], event["round"] + 1)
     joiner = peer("joiner", "--client-mode", "--data-rank", "1", "--data-shards", "2",

@@ -3,6 +3,10 @@ dozens of full-size updates (a `150m` update with P = 2 is ~150 MB held)."""
 
 from __future__ import annotations
 
+import asyncio
+
+from test_commit import scenario
+
 from p2pdiloco import compress
 from p2pdiloco.updates import MIN_KEPT_PER_FRAGMENT, Update, UpdateStore
 
@@ -45,3 +49,25 @@ def test_fragments_have_their_own_budgets_and_the_count_cap_still_holds() -> Non
         store.put(update(r, fragment=1))
     assert [r for r in range(5) if store.get(0, f"d0-{r}")] == [2, 3, 4]
     assert [r for r in range(5) if store.get(1, f"d1-{r}")] == [2, 3, 4]
+
+
+def test_a_replica_behind_updates_nobody_keeps_downloads_the_state() -> None:
+    """Stores bounded by bytes drop old updates: a replica that needs one of those
+    downloads the state (verified by hash) instead of waiting forever to replay."""
+    async def body(cluster) -> None:  # noqa: ANN001 - test_commit.Cluster
+        a, b, c = cluster[0], cluster[1], cluster[2]
+        a.view = b.view = {a.peer_id, b.peer_id}  # c never synchronizes nor contributes
+        for node in (a, b):
+            node.replicas.store.max_per_fragment = 1
+        for r in range(3):
+            await asyncio.gather(
+                a.link.contribute(0, r, a.frame(0.1 * (r + 1), r)),
+                b.link.contribute(0, r, b.frame(0.2, r)),
+            )
+            assert a.state.round_of(0) == b.state.round_of(0) == r + 1
+        assert c.state.round_of(0) == 0
+        assert await c.replicas.sync_fragment(0)
+        assert c.state.round_of(0) == 3 and c.hash() == a.hash()
+        assert [e["round"] for e in c.events if e.get("event") == "downloaded"] == [3]
+
+    scenario(3, body)
