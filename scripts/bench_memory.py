@@ -165,7 +165,11 @@ def run_swarm(preset: str, rounds: int, workdir: Path) -> dict[str, Any]:
     sets = [f"model.preset='{preset}'", "train.device='cpu'", f"sync.num_fragments={SWARM_FRAGMENTS}",
             "sync.min_quorum=1", "train.warmup_steps=2", "data.max_files=300",
             *SWARM_SETS[preset]]  # fmt: skip
-    boot = Child.spawn([sys.executable, "-m", "p2pdiloco", "bootstrap", "--events"], "boot", cwd=REPO, env=_env())
+    # the bootstrap node validates records by the run's config (its fragment count)
+    boot_argv = [sys.executable, "-m", "p2pdiloco", "bootstrap", "--events"]
+    for item in sets:
+        boot_argv += ["--set", item]
+    boot = Child.spawn(boot_argv, "boot", cwd=REPO, env=_env())
     maddrs = boot.wait_ready(300)["maddrs"]
 
     def peer(name: str, *extra: str) -> Child:

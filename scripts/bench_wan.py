@@ -264,11 +264,11 @@ def run_diloco(setting: dict[str, Any], steps: int, target: float, workdir: Path
     """Four `p2pdiloco join` peers, one per namespace, until learner 0's global model
     reaches `target` held-out loss or `steps` inner steps each."""
     sets = [f"model.preset='{setting['preset']}'", *COMMON, *setting["sets"]]
-    boot = Child.spawn(
-        ["ip", "netns", "exec", BRIDGE_NS, sys.executable, "-m", "p2pdiloco", "bootstrap",
-         "--events", "--host", BRIDGE_IP],  # fmt: skip
-        "boot", cwd=REPO, env=_env(),
-    )
+    boot_argv = ["ip", "netns", "exec", BRIDGE_NS, sys.executable, "-m", "p2pdiloco", "bootstrap",
+                 "--events", "--host", BRIDGE_IP]  # fmt: skip
+    for item in sets:  # it validates records by the run's config
+        boot_argv += ["--set", item]
+    boot = Child.spawn(boot_argv, "boot", cwd=REPO, env=_env())
     try:
         maddrs = boot.wait_ready(300)["maddrs"]
         before = sent_bytes()
