@@ -58,7 +58,7 @@ from p2pdiloco.state import (
     install_update,
     prepare_update,
 )
-from p2pdiloco.state_transfer import PartsAssembler, decode_part, encode_part
+from p2pdiloco.state_transfer import PartsAssembler, decode_part, encode_part, part_count
 from p2pdiloco.transport.base import Transport, TransportError
 from p2pdiloco.trust import Admission
 from p2pdiloco.updates import Update, UpdateStore, parse_update
@@ -256,7 +256,13 @@ class ReplicaSync:
         snapshot = self._serving.get(fragment)
         if snapshot is None or snapshot.round != self.state.round_of(fragment):
             snapshot = self._serving[fragment] = self.state.export_fragment(fragment)
-        return encode_part(self.run, self.transport.peer_id, snapshot, part, self.limits)
+        frame = encode_part(self.run, self.transport.peer_id, snapshot, part, self.limits)
+        if part == part_count(snapshot, self.limits) - 1:
+            # the last part served: the copy (8-12 bytes a parameter) goes until the next
+            # download; a joiner still reading an earlier part gets a fresh snapshot and
+            # refuses the mix (PartsAssembler), then starts over
+            self._serving.pop(fragment, None)
+        return frame
 
     # --- who is entitled -----------------------------------------------------------------
 

@@ -26,9 +26,18 @@ KINDS = ("p", "m", "a")
 """Key prefixes: parameters, momentum, delayed-Nesterov sums."""
 
 
+MAX_PART_ELEMENTS = 1 << 24
+"""At most 16M elements (64 MiB of fp32) a part, whatever the wire limits allow: a donor
+builds each part's frame in memory (payloads, then the frame: ~2x the part) while it keeps
+training, and half of the default limits (512 MiB a part) cost a `150m` donor gigabytes
+at once. The largest tensor of `1b` (11.5M elements) still fits one part."""
+
+
 def part_budget(limits: wire.WireLimits) -> int:
-    """Elements one part may hold: half of every limit, at 4 bytes an element (fp32)."""
-    return max(1, min(limits.max_total_elements, limits.max_frame_bytes // 4) // 2)
+    """Elements one part may hold: half of every limit, at 4 bytes an element (fp32), and
+    at most `MAX_PART_ELEMENTS`."""
+    half = min(limits.max_total_elements, limits.max_frame_bytes // 4) // 2
+    return max(1, min(half, MAX_PART_ELEMENTS))
 
 
 def state_keys(snapshot: FragmentState) -> dict[str, torch.Tensor]:
@@ -51,6 +60,11 @@ def split_parts(sizes: Mapping[str, int], budget: int) -> list[list[str]]:
         parts[-1].append(key)
         held += size
     return parts
+
+
+def part_count(snapshot: FragmentState, limits: wire.WireLimits) -> int:
+    """How many parts `snapshot` is served in."""
+    return len(split_parts({k: t.numel() for k, t in state_keys(snapshot).items()}, part_budget(limits)))
 
 
 def encode_part(run: str, peer: str, snapshot: FragmentState, part: int, limits: wire.WireLimits) -> bytes | None:
