@@ -344,12 +344,14 @@ def plot(out: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for row in out["rates"]:
-        rate = row["rate_mbit"]
-        ddp = row["ddp_curve"]
-        ax.plot([p["t"] for p in ddp], [p["eval_loss"] for p in ddp], "--", label=f"DDP {rate:g} Mbit/s")
-        dl = row["p2pdiloco"]["curve"]
-        ax.plot([p["t"] for p in dl], [p["eval_loss"] for p in dl], "-o", ms=3, label=f"p2pdiloco {rate:g} Mbit/s")
+    for index, row in enumerate(out["rates"]):
+        rate, color = row["rate_mbit"], f"C{index}"  # one colour a link: dashed DDP, solid ours
+        ddp = [p for p in row["ddp_curve"] if p["t"] > 0]  # a log axis: from the first step
+        ax.plot([p["t"] for p in ddp], [p["eval_loss"] for p in ddp], "--", color=color,
+                label=f"DDP {rate:g} Mbit/s")  # fmt: skip
+        dl = [p for p in row["p2pdiloco"]["curve"] if p["t"] > 0]
+        ax.plot([p["t"] for p in dl], [p["eval_loss"] for p in dl], "-o", ms=3, color=color,
+                label=f"p2pdiloco {rate:g} Mbit/s")  # fmt: skip
     ax.axhline(out["target_loss"], color="grey", lw=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("wall-clock (s, log)")
@@ -367,11 +369,15 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--rates", default="10,100,1000", help="Mbit/s, comma-separated")
+    parser.add_argument("--replot", type=Path, help="only redraw --plot from this JSON")
     parser.add_argument("--ddp-worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ddp_worker:
         rank, steps, eval_every, preset, *sets = args.ddp_worker
         ddp_worker(int(rank), preset, sets, int(steps), int(eval_every))
+        return 0
+    if args.replot:
+        plot(json.loads(args.replot.read_text()), args.plot or Path("wan_loss.png"))
         return 0
     if os.geteuid() != 0:
         print("bench_wan: must run as root (it creates network namespaces and tc qdiscs)", file=sys.stderr)
