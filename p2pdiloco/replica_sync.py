@@ -114,8 +114,6 @@ class ReplicaSync:
         self.admission = admission or Admission()
         self.auditor = auditor
         self._serving: dict[int, FragmentState] = {}
-        self._unfetchable = ""
-        """Digest of the last update no peer could serve."""
         """Per fragment, the snapshot whose parts are being served (replaced once stale)."""
         self.state_limiter = RateLimiter(rate_per_s=1 / 30, burst=2 * state.num_fragments + 2)
         self.audit_share = audit_share
@@ -358,7 +356,7 @@ class ReplicaSync:
                     continue
                 # An old update nobody holds any more (update stores are bounded by bytes,
                 # a `150m` peer keeps ~3): the state instead, verified by hash like any.
-                if not (self._unfetchable == chain[current].digest and head - current >= 2
+                if not (chain[current].digest in self._unfetchable_since and head - current >= 2
                         and await self._download(fragment, chain)):  # fmt: skip
                     self._notify_settled(fragment, chain)
                     return False
@@ -384,7 +382,6 @@ class ReplicaSync:
     async def _apply_record(self, record: RoundRecord) -> bool:
         update = await self._fetch(record)
         if update is None:
-            self._unfetchable = record.digest
             return False
         loop = asyncio.get_running_loop()
         norm = await loop.run_in_executor(self.worker, outer_gradient_norm, update)
