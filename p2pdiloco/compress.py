@@ -840,13 +840,16 @@ def decode_tensors(
     Any input, of any type, gives tensors or a ValueError.
     """
     _check_sizes(encoded, shapes, max_total_elements)
-    out = {}
+    return dict(_decode_each(encoded, finite))
+
+
+def _decode_each(encoded: Mapping[str, EncodedTensor], finite: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, decoded tensor), one at a time; ValueError naming the first invalid one."""
     for name, tensor in encoded.items():
         try:
-            out[name] = decode_tensor(tensor, finite=finite)
+            yield name, decode_tensor(tensor, finite=finite)
         except ValueError as exc:
             raise ValueError(f"tensor {name!r:.60}: {exc}") from None
-    return out
 
 
 class LazyTensors(Mapping[str, torch.Tensor]):
@@ -891,11 +894,8 @@ def lazy_tensors(
     """`decode_tensors`' checks (sizes first, then every tensor decoded once and found
     finite, one at a time) without keeping the decoded tensors: ValueError if any fails."""
     _check_sizes(encoded, shapes, max_total_elements)
-    for name, tensor in encoded.items():
-        try:
-            decode_tensor(tensor, finite=True)
-        except ValueError as exc:
-            raise ValueError(f"tensor {name!r:.60}: {exc}") from None
+    for _ in _decode_each(encoded, finite=True):
+        pass  # each tensor is dropped as soon as it is checked
     return LazyTensors(encoded)
 
 

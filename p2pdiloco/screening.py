@@ -233,15 +233,22 @@ def dot(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
         other = b.get(name)
         if other is None:
             continue  # absent momentum is zero
-        x, y = tensor.detach().reshape(-1), other.detach().reshape(-1)
-        if x.numel() != y.numel():
-            raise ValueError(f"{name}: {x.numel()} elements against {y.numel()}")
-        for start in range(0, x.numel(), _DOT_CHUNK):
-            stop = min(start + _DOT_CHUNK, x.numel())
-            product = x[start:stop].to(torch.float64)
-            product.mul_(y[start:stop].to(torch.float64))
-            partials.append(fixed_order_sum(product))
+        partials.extend(_chunk_partials(name, tensor.detach().reshape(-1), other.detach().reshape(-1)))
     return math.fsum(partials)
+
+
+def _chunk_partials(name: str, x: torch.Tensor, y: torch.Tensor) -> list[float]:
+    """x·y per chunk of `_DOT_CHUNK` elements, each product exact in float64 and summed by
+    `fixed_order_sum`: the partials `dot` and `gram` add with `math.fsum`."""
+    if x.numel() != y.numel():
+        raise ValueError(f"{name}: {x.numel()} elements against {y.numel()}")
+    partials = []
+    for start in range(0, x.numel(), _DOT_CHUNK):
+        stop = min(start + _DOT_CHUNK, x.numel())
+        product = x[start:stop].to(torch.float64)
+        product.mul_(y[start:stop].to(torch.float64))
+        partials.append(fixed_order_sum(product))
+    return partials
 
 
 def _finite_positive(values: Sequence[float]) -> list[float]:
@@ -355,14 +362,7 @@ def _add_pair_partials(name: str, flats: list[torch.Tensor], partials: list[list
     """Append the chunk partials of every pair's dot product over one tensor."""
     for i in range(len(flats)):
         for j in range(i + 1, len(flats)):
-            x, y = flats[i], flats[j]
-            if x.numel() != y.numel():
-                raise ValueError(f"{name}: {x.numel()} elements against {y.numel()}")
-            for start in range(0, x.numel(), _DOT_CHUNK):
-                stop = min(start + _DOT_CHUNK, x.numel())
-                product = x[start:stop].to(torch.float64)
-                product.mul_(y[start:stop].to(torch.float64))
-                partials[i][j].append(fixed_order_sum(product))
+            partials[i][j].extend(_chunk_partials(name, flats[i], flats[j]))
 
 
 def loo_cosine(

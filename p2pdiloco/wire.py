@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -533,17 +533,7 @@ def decode_tensors(
     checked before anything is allocated; without, at most `max_total_elements` elements
     over all tensors are. Never raises on any input.
     """
-    if not isinstance(msg, Message):
-        return Rejected(f"expected a Message, got {type(msg).__name__}")
-    try:
-        return compress.decode_tensors(
-            msg.tensors, shapes=shapes, max_total_elements=max_total_elements, finite=True
-        )
-    except ValueError as exc:
-        return Rejected(str(exc))
-    except Exception as exc:  # last resort, as in decode_message
-        logger.warning("tensor decode failed unexpectedly error=%r", exc)
-        return Rejected(f"malformed tensors: {type(exc).__name__}: {exc}")
+    return _tensors_of(msg, compress.decode_tensors, shapes, max_total_elements)
 
 
 def lazy_tensors(
@@ -554,10 +544,20 @@ def lazy_tensors(
 ) -> compress.LazyTensors | Rejected:
     """`decode_tensors`' checks, keeping the tensors encoded (decoded again on each access):
     what a synchronizer holds until the merge, so its memory does not grow as M × fp32."""
+    return _tensors_of(msg, compress.lazy_tensors, shapes, max_total_elements)
+
+
+def _tensors_of(
+    msg: Message,
+    build: Callable[..., Any],
+    shapes: Mapping[str, tuple[int, ...]] | None,
+    max_total_elements: int,
+) -> Any:
+    """`build(msg.tensors, ...)` (compress's decode_tensors or lazy_tensors), or why not."""
     if not isinstance(msg, Message):
         return Rejected(f"expected a Message, got {type(msg).__name__}")
     try:
-        return compress.lazy_tensors(msg.tensors, shapes=shapes, max_total_elements=max_total_elements)
+        return build(msg.tensors, shapes=shapes, max_total_elements=max_total_elements)
     except ValueError as exc:
         return Rejected(str(exc))
     except Exception as exc:  # last resort, as in decode_message

@@ -145,17 +145,6 @@ def shape(rate_mbit: float) -> None:
         in_ns(BRIDGE_NS, "tc", "qdisc", "replace", "dev", f"{PREFIX}b{i}", "root", *spec)
 
 
-def wire_bytes() -> list[int]:
-    """Bytes each learner has sent and received, from the bridge ports' counters."""
-    out = []
-    for i in range(LEARNERS):
-        stats = Path(f"/sys/class/net/{PREFIX}b{i}/statistics")
-        rx = int(in_ns(BRIDGE_NS, "cat", str(stats / "rx_bytes")))
-        tx = int(in_ns(BRIDGE_NS, "cat", str(stats / "tx_bytes")))
-        out.append(rx + tx)
-    return out
-
-
 def sent_bytes() -> list[int]:
     """Bytes each learner has sent (the bridge port receives them)."""
     return [
