@@ -552,7 +552,13 @@ class ReplicaSync:
             local = await loop.run_in_executor(self.worker, check.import_fragment, dataclasses.replace(state, fragment=0))
         except (ValueError, KeyError):
             return None
-        return state if local == state.hash else None
+        if local != state.hash:
+            return None
+        # the checked fp32 copies, not the donor's tensors: the audit applies a merge to them
+        checked = check.outer_state
+        return dataclasses.replace(
+            state, params=check.params, momentum=dict(checked.momentum), accumulated=dict(checked.accumulated)
+        )
 
     def _notify_settled(self, fragment: int, chain: dict[int, RoundRecord]) -> None:
         """Tell learners which record the DHT's canonical chain holds for each round this

@@ -251,21 +251,42 @@ class PreparedUpdate:
     """A one-fragment state holding the new parameters and optimizer buffers."""
 
 
+def _scratch_of(snapshot: FragmentState, names: list[str], outer: OuterConfig) -> GlobalState:
+    """A one-fragment state that takes over a snapshot's tensors, without copying them.
+
+    A snapshot from `export_fragment` is already a private copy; the clone in the
+    constructor and the checked copies of `import_fragment` would be two more (at 75M
+    parameters a copy of parameters and momentum is 600 MB). The snapshot is consumed: an
+    update applied to the scratch changes its tensors in place.
+    """
+    scratch = GlobalState({}, [list(names)], outer)
+    scratch.params = {n: snapshot.params[n] for n in names}
+    scratch.outer_state.momentum = dict(snapshot.momentum)
+    scratch.outer_state.accumulated = dict(snapshot.accumulated)
+    scratch.outer_state.tensor_steps = {n: snapshot.round for n in names}
+    scratch.rounds = [snapshot.round]
+    return scratch
+
+
 def prepare_update(
-    state: GlobalState, fragment: int, round_id: int, outer_grad: Mapping[str, torch.Tensor]
+    state: GlobalState,
+    fragment: int,
+    round_id: int,
+    outer_grad: Mapping[str, torch.Tensor],
+    snapshot: FragmentState | None = None,
 ) -> PreparedUpdate:
     """Compute (round_id, fragment)'s update on a copy, leaving `state` untouched.
 
     The synchronizer needs the resulting hash for its round record *before* it commits,
-    and must not change its replica until the commit point. Raises ValueError as
-    `apply_update` does.
+    and must not change its replica until the commit point. `snapshot`, the caller's own
+    `export_fragment` of this fragment, saves a copy and is consumed (its tensors become
+    the result's). Raises ValueError as `apply_update` does.
     """
-    snapshot = state.export_fragment(fragment)
-    if snapshot.round != round_id:
+    if snapshot is None:
+        snapshot = state.export_fragment(fragment)
+    if snapshot.fragment != fragment or snapshot.round != round_id:
         raise ValueError(f"fragment {fragment} is at round {snapshot.round}, update is for round {round_id}")
-    names = state.fragments[fragment]
-    scratch = GlobalState(snapshot.params, [list(names)], state.outer)
-    scratch.import_fragment(dataclasses.replace(snapshot, fragment=0))
+    scratch = _scratch_of(snapshot, state.fragments[fragment], state.outer)
     new_hash = scratch.apply_update(0, round_id, outer_grad)
     return PreparedUpdate(fragment, round_id, snapshot.hash, new_hash, scratch)
 
@@ -273,13 +294,12 @@ def prepare_update(
 def hash_after(
     snapshot: FragmentState, names: list[str], outer: OuterConfig, outer_grad: Mapping[str, torch.Tensor]
 ) -> str:
-    """The hash a fragment at `snapshot` has after applying `outer_grad` (on a scratch copy).
+    """The hash a fragment at `snapshot` has after applying `outer_grad`.
 
-    What an auditor compares with a round record; ValueError as `apply_update`.
+    What an auditor compares with a round record; ValueError as `apply_update`. The
+    snapshot is consumed (see `_scratch_of`).
     """
-    scratch = GlobalState({n: snapshot.params[n] for n in names}, [list(names)], outer)
-    scratch.import_fragment(dataclasses.replace(snapshot, fragment=0))
-    return scratch.apply_update(0, snapshot.round, outer_grad)
+    return _scratch_of(snapshot, names, outer).apply_update(0, snapshot.round, outer_grad)
 
 
 def install_update(state: GlobalState, prepared: PreparedUpdate) -> bool:

@@ -524,7 +524,7 @@ class Synchronizer:
         if result.decoded is None or len(result.screening.kept) < self.config.sync.min_quorum:
             return result, None, None, history_first
         try:
-            prepared = prepare_update(self.state, m.fragment, m.round, result.decoded)
+            prepared = prepare_update(self.state, m.fragment, m.round, result.decoded, snapshot)
         except ValueError:
             return result, None, None, history_first
         contributors = [(v.peer, float(v.weight), v.tokens) for v in result.screening.kept]

@@ -83,3 +83,24 @@ def test_a_downloaded_state_that_does_not_hash_to_its_claim_changes_nothing() ->
     prepared = prepare_update(joiner, 0, 1, {"a": torch.zeros(4, 3), "b": torch.zeros(5)})
     assert joiner.rounds == [1, 0] and joiner.fragment_hash(0) == honest.hash
     assert prepared.parent_hash == honest.hash
+
+
+@pytest.mark.parametrize("delayed_every", [1, 3])
+def test_a_prepared_update_on_the_callers_snapshot_equals_applying_it(delayed_every: int) -> None:
+    """The synchronizer's merge hands its own snapshot to `prepare_update` (one copy of the
+    fragment instead of five): same result, bit for bit, as applying on the replica."""
+    from p2pdiloco.state import install_update, prepare_update
+
+    outer = OuterConfig(delayed_nesterov_every=delayed_every)
+    applied = GlobalState(_params(), [["a", "b"], ["c"]], outer)
+    prepared_on = GlobalState(_params(), [["a", "b"], ["c"]], outer)
+    for r in range(4):
+        grad = {"a": torch.full((4, 3), 0.1 * (r + 1)), "b": torch.linspace(-1, 1, 5)}
+        snapshot = prepared_on.export_fragment(0)
+        prepared = prepare_update(prepared_on, 0, r, grad, snapshot)
+        assert prepared.scratch.params["a"] is snapshot.params["a"]  # taken over, not copied
+        assert prepared_on.rounds == [r, 0]  # untouched until installed
+        assert install_update(prepared_on, prepared)
+        assert applied.apply_update(0, r, grad) == prepared.hash == prepared_on.fragment_hash(0)
+    with pytest.raises(ValueError, match="at round 4"):
+        prepare_update(prepared_on, 0, 5, grad, prepared_on.export_fragment(0))
