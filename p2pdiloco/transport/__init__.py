@@ -42,11 +42,11 @@ __all__ = [
     "make_transport",
 ]
 
-TRANSPORT_KINDS = ("hivemind", "memory")
+TRANSPORT_KINDS = ("hivemind", "libp2p", "memory")
 
 
 def make_transport(kind: str, **options: Any) -> Transport:
-    """Build a transport of `kind` ("hivemind" or "memory") from its constructor options.
+    """Build a transport of `kind` ("hivemind", "libp2p" or "memory") from its options.
 
     "memory" needs `network=MemoryNetwork(...)`; see each class for its options.
     """
@@ -54,6 +54,10 @@ def make_transport(kind: str, **options: Any) -> Transport:
         from p2pdiloco.transport.hivemind import HivemindTransport
 
         return HivemindTransport(**options)
+    if kind == "libp2p":
+        from p2pdiloco.transport.libp2p import Libp2pTransport
+
+        return Libp2pTransport(**options)
     if kind == "memory":
         from p2pdiloco.transport.memory import MemoryTransport
 

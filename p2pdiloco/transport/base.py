@@ -23,7 +23,9 @@ it into a `Rejected(reason)` or a skipped round, never a crash or a hang:
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 
@@ -77,6 +79,23 @@ class TransportStartError(TransportError, NetworkSetupError):
 
 class AddressInUse(TransportStartError):
     """The requested listen address (host:port) is already in use."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise AddressInUse if something listens on host:port (port 0 is always free)."""
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise AddressInUse(
+                    f"cannot listen on {host}:{port}: address already in use; "
+                    "pick another port or pass port=0"
+                ) from None
+            raise TransportStartError(f"cannot listen on {host}:{port}: {e.strerror}") from None
 
 
 def check_size_limit(name: str, value: int) -> int:

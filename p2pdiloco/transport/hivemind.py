@@ -2,14 +2,8 @@
 
 We use only hivemind's public surface: `DHT(...)`, `DHT.store/get(return_future=True)`,
 `DHT.replicate_p2p()` and `P2P.add_binary_stream_handler/call_binary_stream_handler`
-(the same calls hivemind's own averager makes). RPC framing is ours (see docs/transport.md):
-
-    request   b"PDQ1" | u64 length | body in chunks of <= 1 MiB
-    response  b"PDS1" | u8 status  | u64 length | body in chunks of <= 1 MiB
-
-The receiver reads the 12-byte request header first and refuses a request over its
-limit without reading the body; the caller reads the response header first and refuses
-a response over its limit the same way. Every wait is bounded.
+(the same calls hivemind's own averager makes). RPC framing is ours,
+shared with the libp2p transport (`framing.py`, docs/transport.md).
 
 hivemind and py-libp2p cannot share a process (duplicate protobuf symbols), so import this
 module only through `make_transport("hivemind")`.
@@ -19,14 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import errno
 import itertools
 import logging
 import os
 import shutil
 import signal
-import socket
-import struct
 import tempfile
 import threading
 import time
@@ -41,8 +32,8 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from p2pdiloco.identity import Identity, load_or_create_identity
 from p2pdiloco.ratelimit import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_PER_CALLER, ConcurrencyLimit
+from p2pdiloco.transport import framing
 from p2pdiloco.transport.base import (
-    CHUNK_BYTES,
     DEFAULT_MAX_BYTES,
     AddressInUse,
     CallTimeout,
@@ -55,37 +46,11 @@ from p2pdiloco.transport.base import (
     TransportClosed,
     TransportStartError,
     admit_call,
+    check_port_free,
     check_size_limit,
 )
 
 logger = logging.getLogger(__name__)
-
-PROTOCOL_PREFIX = "/p2pdiloco/rpc/1/"
-_REQUEST_HEADER = struct.Struct(">4sQ")
-_RESPONSE_HEADER = struct.Struct(">4sBQ")
-_REQUEST_MAGIC = b"PDQ1"
-_RESPONSE_MAGIC = b"PDS1"
-_STATUS_OK, _STATUS_ERROR, _STATUS_TOO_LARGE = 0, 1, 2
-_MAX_ERROR_BYTES = 4096
-_CONTINUE = b"\x01"
-
-
-def _check_port_free(host: str, port: int) -> None:
-    """Raise AddressInUse if something listens on host:port (port 0 is always free)."""
-    if port == 0:
-        return
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise AddressInUse(
-                    f"cannot listen on {host}:{port}: address already in use; "
-                    "pick another port or pass port=0"
-                ) from None
-            raise TransportStartError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-
 
 def _child_pids(pid: int) -> list[int]:
     """Direct children of `pid` (Linux /proc scan; empty elsewhere)."""
@@ -260,7 +225,7 @@ class HivemindTransport(Transport):
             raise TransportClosed("transport was shut down; create a new one")
         if self._ready.is_set():
             return
-        _check_port_free(self.host, self.port)
+        check_port_free(self.host, self.port)
         if self.identity_path is None:
             # An ephemeral peer still signs its records: its key lives in a private scratch dir.
             self._scratch_dir = tempfile.mkdtemp(prefix="p2pdiloco-id-")
@@ -368,7 +333,8 @@ class HivemindTransport(Transport):
             return AddressInUse(f"cannot listen on {self.host}:{self.port}: address already in use")
         if "bootstrap" in text.lower() or "initial_peers" in text:
             return TransportStartError(
-                f"none of the initial peers answered ({', '.join(self.initial_peers)}): {text}"
+                f"none of the initial peers answered ({', '.join(self.initial_peers)}): {text}; "
+                "are they up, and on this run's network.transport (hivemind)?"
             )
         return TransportStartError(f"hivemind failed to start: {type(e).__name__}: {text}")
 
@@ -438,71 +404,14 @@ class HivemindTransport(Transport):
         async def serve(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             await self._serve(name, info.peer_id.to_base58(), reader, writer)
 
-        await asyncio.wait_for(p2p.add_binary_stream_handler(PROTOCOL_PREFIX + name, serve), 30)
+        await asyncio.wait_for(p2p.add_binary_stream_handler(framing.PROTOCOL_PREFIX + name, serve), 30)
 
     async def _serve(
         self, name: str, caller: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         handler, max_request = self._handlers[name]
-        try:
-            header = await asyncio.wait_for(
-                reader.readexactly(_REQUEST_HEADER.size), self.idle_timeout_s
-            )
-            magic, length = _REQUEST_HEADER.unpack(header)
-            if magic != _REQUEST_MAGIC:
-                logger.warning("rpc_bad_frame name=%s caller=%s", name, caller)
-                return
-            if length > max_request:
-                logger.warning(
-                    "rpc_rejected reason=request_too_large name=%s caller=%s bytes=%d limit=%d",
-                    name,
-                    caller,
-                    length,
-                    max_request,
-                )
-                message = f"request of {length} bytes exceeds limit of {max_request} bytes"
-                await self._send(writer, _STATUS_TOO_LARGE, message.encode())
-                if length <= CHUNK_BYTES:  # sent unasked: drain it (bounded) so the refusal lands
-                    with suppress(Exception):
-                        await asyncio.wait_for(self._discard(reader, length), 5)
-                return
-            limit = self._in_flight[name]
-            refusal = limit.try_acquire(caller)
-            if refusal is not None:
-                # Refused at the door, never queued: the body is not read (a small one is
-                # drained briefly so the refusal lands, as for an oversized request).
-                logger.warning(
-                    "rpc_rejected reason=too_many_concurrent name=%s caller=%s detail=%r",
-                    name,
-                    caller,
-                    refusal,
-                )
-                message = f"too many concurrent requests ({refusal})"
-                await self._send(writer, _STATUS_ERROR, message.encode())
-                if length <= CHUNK_BYTES:
-                    with suppress(Exception):
-                        await asyncio.wait_for(self._discard(reader, length), 1)
-                return
-            try:
-                if length > CHUNK_BYTES:
-                    writer.write(_CONTINUE)
-                    await asyncio.wait_for(writer.drain(), self.idle_timeout_s)
-                request = await self._read_body(reader, length)
-                try:
-                    response = await handler(caller, request)
-                    status = _STATUS_OK
-                except Exception as e:
-                    logger.warning("handler_failed name=%s caller=%s error=%r", name, caller, e)
-                    response, status = f"{type(e).__name__}: {e}".encode()[:_MAX_ERROR_BYTES], 1
-                await self._send(writer, status, response)
-            finally:
-                limit.release(caller)
-        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
-            logger.info("rpc_dropped name=%s caller=%s reason=%s", name, caller, type(e).__name__)
-        except Exception:
-            logger.exception("rpc_serve_failed name=%s caller=%s", name, caller)
-        finally:
-            writer.close()
+        stream = _AsyncioStream(reader, writer, self.idle_timeout_s)
+        await framing.serve_call(stream, name, caller, max_request, self._in_flight[name], handler)
 
     async def call(
         self,
@@ -530,45 +439,20 @@ class HivemindTransport(Transport):
         except Exception:
             raise PeerUnreachable(f"invalid peer id {peer_id!r}") from None
         try:
-            _, reader, writer = await p2p.call_binary_stream_handler(remote, PROTOCOL_PREFIX + name)
+            _, reader, writer = await p2p.call_binary_stream_handler(remote, framing.PROTOCOL_PREFIX + name)
         except (P2PDaemonError, ConnectionError, OSError, asyncio.IncompleteReadError) as e:
             text = str(e)
             if "protocol" in text.lower() and "not supported" in text.lower():
                 raise RemoteError(f"peer {peer_id} has no handler {name!r}") from None
             raise PeerUnreachable(f"cannot open stream to {peer_id}: {text}") from None
         try:
-            writer.write(_REQUEST_HEADER.pack(_REQUEST_MAGIC, len(request)))
-            if len(request) > CHUNK_BYTES:
-                # Like HTTP's "Expect: 100-continue": a large body waits for the receiver to
-                # accept its size, so a refused upload costs one round trip, not the payload.
-                await asyncio.wait_for(writer.drain(), self.idle_timeout_s)
-                first = await asyncio.wait_for(reader.readexactly(1), self.idle_timeout_s)
-                if first != _CONTINUE:
-                    return await self._receive_response(reader, peer_id, max_response, first)
-            await self._write_body(writer, request)
-            return await self._receive_response(reader, peer_id, max_response)
-        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            return await framing.make_call(
+                _AsyncioStream(reader, writer, self.idle_timeout_s), request, peer_id, max_response
+            )
+        except ConnectionError as e:
             raise PeerUnreachable(f"peer {peer_id} closed the stream: {type(e).__name__}") from None
         finally:
             writer.close()
-
-    async def _receive_response(
-        self, reader: asyncio.StreamReader, peer_id: str, max_response: int, head: bytes = b""
-    ) -> bytes:
-        # No idle bound here: the handler may compute for a while; the call's deadline rules.
-        header = head + await reader.readexactly(_RESPONSE_HEADER.size - len(head))
-        magic, status, length = _RESPONSE_HEADER.unpack(header)
-        if magic != _RESPONSE_MAGIC:
-            raise RemoteError(f"peer {peer_id} answered with a malformed frame")
-        if status != _STATUS_OK:
-            body = await self._read_body(reader, min(length, _MAX_ERROR_BYTES))
-            kind = RequestTooLarge if status == _STATUS_TOO_LARGE else RemoteError
-            raise kind(f"peer {peer_id} refused the call: {body.decode(errors='replace')}")
-        if length > max_response:
-            raise ResponseTooLarge(
-                f"response of {length} bytes from {peer_id} exceeds max_response_bytes={max_response}"
-            )
-        return await self._read_body(reader, length)
 
     async def _call_self(self, name: str, request: bytes, max_response: int) -> bytes:
         if name not in self._handlers:
@@ -587,34 +471,6 @@ class HivemindTransport(Transport):
         if len(response) > max_response:
             raise ResponseTooLarge(f"response of {len(response)} bytes exceeds {max_response}")
         return response
-
-    async def _send(self, writer: asyncio.StreamWriter, status: int, body: bytes) -> None:
-        writer.write(_RESPONSE_HEADER.pack(_RESPONSE_MAGIC, status, len(body)))
-        await self._write_body(writer, body)
-
-    async def _write_body(self, writer: asyncio.StreamWriter, body: bytes) -> None:
-        view = memoryview(body)
-        for offset in range(0, len(view), CHUNK_BYTES):
-            writer.write(view[offset : offset + CHUNK_BYTES])
-            await asyncio.wait_for(writer.drain(), self.idle_timeout_s)
-        await asyncio.wait_for(writer.drain(), self.idle_timeout_s)
-
-    async def _discard(self, reader: asyncio.StreamReader, length: int) -> None:
-        while length > 0 and (chunk := await reader.read(min(CHUNK_BYTES, length))):
-            length -= len(chunk)
-
-    async def _read_body(self, reader: asyncio.StreamReader, length: int) -> bytes:
-        """Read exactly `length` bytes in chunks of <= CHUNK_BYTES, each within the idle bound."""
-        parts, remaining = [], length
-        while remaining > 0:
-            chunk = await asyncio.wait_for(
-                reader.read(min(CHUNK_BYTES, remaining)), self.idle_timeout_s
-            )
-            if not chunk:
-                raise asyncio.IncompleteReadError(b"".join(parts), length)
-            parts.append(chunk)
-            remaining -= len(chunk)
-        return b"".join(parts)  # one copy; growing a bytearray and bytes()-ing it costs two
 
     # ---- DHT -------------------------------------------------------------------------
 
@@ -657,6 +513,28 @@ class HivemindTransport(Transport):
 
     def now(self) -> float:
         return get_dht_time()
+
+
+class _AsyncioStream:
+    """A p2pd stream (asyncio reader and writer) as the framing's `ByteStream`."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, idle_s: float) -> None:
+        self.reader, self.writer, self.idle_s = reader, writer, idle_s
+
+    async def read(self, n: int, idle_bound: bool = True) -> bytes:
+        if not idle_bound:
+            return await self.reader.read(n)
+        return await asyncio.wait_for(self.reader.read(n), self.idle_s)
+
+    async def write(self, data: bytes) -> None:
+        self.writer.write(data)
+        await asyncio.wait_for(self.writer.drain(), self.idle_s)
+
+    def within(self, seconds: float):
+        return asyncio.timeout(seconds)
+
+    async def close(self) -> None:
+        self.writer.close()
 
 
 async def _await(future: object) -> object:

@@ -30,6 +30,7 @@ from p2pdiloco.transport.base import (
     admit_call,
     check_size_limit,
 )
+from p2pdiloco.transport.records import RecordTable
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class MemoryNetwork:
         self.clock = clock
         self._peers: dict[str, MemoryTransport] = {}
         self._suspended: set[str] = set()
-        self._dht: dict[str, dict[str, tuple[bytes, float]]] = {}
+        self._dht = RecordTable()
         self._identities: dict[str, Identity] = {}
 
     def new_peer_id(self) -> str:
@@ -83,22 +84,10 @@ class MemoryNetwork:
         return self._peers.get(peer_id)
 
     def _store(self, key: str, subkey: str, value: bytes, expiration_time: float) -> bool:
-        # hivemind semantics: a record is replaced only by one that expires later.
-        if expiration_time <= self.clock():
-            return False
-        records = self._dht.setdefault(key, {})
-        old = records.get(subkey)
-        if old is not None and old[1] >= expiration_time:
-            return False
-        records[subkey] = (bytes(value), float(expiration_time))
-        return True
+        return self._dht.store(key, subkey, value, expiration_time, self.clock())
 
     def _get(self, key: str) -> dict[str, tuple[bytes, float]]:
-        now = self.clock()
-        records = self._dht.get(key, {})
-        for subkey in [s for s, (_, exp) in records.items() if exp <= now]:
-            del records[subkey]
-        return dict(records)
+        return self._dht.get(key, self.clock())
 
 
 class MemoryTransport(Transport):

@@ -1,7 +1,8 @@
 """A transport peer for networked tests: serve "echo" and "size", obey JSON commands on stdin.
 
     python tests/net/transport_peer.py [--initial-peer MADDR]... [--port N] [--identity PATH]
-        [--client-mode] [--max-request-bytes N] [--transport hivemind]
+        [--client-mode] [--max-request-bytes N] [--startup-timeout S]
+        [--transport hivemind|libp2p]
 
 Prints `{"ready": true, "peer_id": ..., "maddrs": [...]}` once started (or `"ready": false`
 with the error and exits 2), then answers one JSON line per command (echoing `"id"`):
@@ -104,6 +105,7 @@ async def main() -> int:
     parser.add_argument("--identity", default=None)
     parser.add_argument("--client-mode", action="store_true")
     parser.add_argument("--max-request-bytes", type=int, default=64 << 20)
+    parser.add_argument("--startup-timeout", type=float, default=90)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s %(message)s")
 
@@ -113,7 +115,7 @@ async def main() -> int:
         port=args.port,
         identity_path=args.identity,
         client_mode=args.client_mode,
-        startup_timeout_s=90,
+        startup_timeout_s=args.startup_timeout,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -1,7 +1,7 @@
-"""The hivemind transport between real OS processes on 127.0.0.1.
+"""Both real transports (hivemind, libp2p) between real OS processes on 127.0.0.1.
 
-hivemind is imported only in the children (tests/net/transport_peer.py): the pytest process
-stays free to import py-libp2p for other tests.
+Every test runs once per transport. The transports are imported only in the children
+(tests/net/transport_peer.py): hivemind and py-libp2p cannot share a process.
 """
 
 from __future__ import annotations
@@ -25,12 +25,19 @@ from .harness import (
 
 pytestmark = pytest.mark.timeout(240)
 
+TRANSPORTS = ["hivemind", "libp2p"]
+
 READY_S = 120
 MB = 1_000_000
 
 
-def peer_args(*initial: PeerProcess, extra: tuple[str, ...] = ()) -> list[str]:
-    args = [str(TRANSPORT_PEER)]
+@pytest.fixture(params=TRANSPORTS)
+def kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def peer_args(kind: str, *initial: PeerProcess, extra: tuple[str, ...] = ()) -> list[str]:
+    args = [str(TRANSPORT_PEER), "--transport", kind]
     for peer in initial:
         args += ["--initial-peer", peer.maddrs[0]]
     return args + list(extra)
@@ -42,9 +49,9 @@ def call(caller: PeerProcess, callee: PeerProcess, name: str, num_bytes: int, **
     return caller.request({**command, "timeout_s": timeout_s, **options}, timeout_s + 30)
 
 
-def test_call_moves_20mb_byte_exactly_and_refuses_oversize_requests():
-    first = start_peer_process(peer_args(extra=("--max-request-bytes", str(30 * MB))), READY_S)
-    second, third = start_peer_processes([peer_args(first), peer_args(first)], READY_S)
+def test_call_moves_20mb_byte_exactly_and_refuses_oversize_requests(kind):
+    first = start_peer_process(peer_args(kind, extra=("--max-request-bytes", str(30 * MB))), READY_S)
+    second, third = start_peer_processes([peer_args(kind, first), peer_args(kind, first)], READY_S)
 
     sized = call(second, first, "size", 20 * MB, seed=7)
     assert sized["ok"], sized
@@ -68,9 +75,9 @@ def test_call_moves_20mb_byte_exactly_and_refuses_oversize_requests():
     assert first.alive()
 
 
-def test_calls_to_killed_or_frozen_peers_fail_within_their_timeout():
-    first = start_peer_process(peer_args(), READY_S)
-    doomed, frozen = start_peer_processes([peer_args(first), peer_args(first)], READY_S)
+def test_calls_to_killed_or_frozen_peers_fail_within_their_timeout(kind):
+    first = start_peer_process(peer_args(kind), READY_S)
+    doomed, frozen = start_peer_processes([peer_args(kind, first), peer_args(kind, first)], READY_S)
     warm = call(first, doomed, "echo", 1000)
     assert warm["ok"], warm
     assert call(first, frozen, "echo", 1000)["ok"]
@@ -100,9 +107,9 @@ def wait_for_records(peer: PeerProcess, key: str, done, timeout_s: float = 60) -
         time.sleep(0.5)
 
 
-def test_dht_records_with_subkeys_cross_processes_and_expire():
-    first = start_peer_process(peer_args(), READY_S)
-    second = start_peer_process(peer_args(first), READY_S)
+def test_dht_records_with_subkeys_cross_processes_and_expire(kind):
+    first = start_peer_process(peer_args(kind), READY_S)
+    second = start_peer_process(peer_args(kind, first), READY_S)
     put = {"op": "store", "key": "members"}
     assert first.request({**put, "subkey": "a", "value": "alpha", "ttl_s": 120}, 60)["stored"]
     assert second.request({**put, "subkey": "b", "value": "beta", "ttl_s": 4}, 60)["stored"]
@@ -113,7 +120,7 @@ def test_dht_records_with_subkeys_cross_processes_and_expire():
     assert set(records) == {"a"}, f"the 4 s record should have expired: {records}"
 
 
-def test_four_peers_started_at_the_same_instant_form_one_swarm(tmp_path):
+def test_four_peers_started_at_the_same_instant_form_one_swarm(kind, tmp_path):
     # The first peer's address is known in advance (identity + port), so all four launch
     # at once and the others may dial it before it listens: they must not start alone.
     seed_id = write_identity(tmp_path / "seed.key")
@@ -121,7 +128,8 @@ def test_four_peers_started_at_the_same_instant_form_one_swarm(tmp_path):
     seed = ["--identity", str(tmp_path / "seed.key"), "--port", str(port)]
     joiner = ["--initial-peer", f"/ip4/127.0.0.1/tcp/{port}/p2p/{seed_id}"]
     peers = start_peer_processes(
-        [[str(TRANSPORT_PEER), *seed]] + [[str(TRANSPORT_PEER), *joiner]] * 3, READY_S
+        [[str(TRANSPORT_PEER), "--transport", kind, *seed]]
+        + [[str(TRANSPORT_PEER), "--transport", kind, *joiner]] * 3, READY_S
     )
     assert peers[0].peer_id == seed_id
     for peer in peers:
@@ -133,35 +141,37 @@ def test_four_peers_started_at_the_same_instant_form_one_swarm(tmp_path):
         assert set(records) == everyone, f"{peer.name} sees only {sorted(records)}"
 
 
-def test_identity_persists_and_shutdown_leaves_no_daemon(tmp_path):
+def test_identity_persists_and_shutdown_leaves_no_daemon(kind, tmp_path):
     identity = tmp_path / "peer.key"
-    peer = start_peer_process(peer_args(extra=("--identity", str(identity))), READY_S)
+    peer = start_peer_process(peer_args(kind, extra=("--identity", str(identity))), READY_S)
     first_id = peer.peer_id
     daemons = peer.p2pd_pids()
-    assert identity.is_file() and len(daemons) == 1
+    assert identity.is_file() and len(daemons) == (1 if kind == "hivemind" else 0)
     assert peer.stop(timeout_s=60) == 0
     assert not any(pid_alive(pid) for pid in daemons), "p2pd outlived its peer"
     assert peer.group_pids() == []
 
-    again = start_peer_process(peer_args(extra=("--identity", str(identity))), READY_S)
+    again = start_peer_process(peer_args(kind, extra=("--identity", str(identity))), READY_S)
     assert again.peer_id == first_id
     again.send({"op": "shutdown"})
     assert again.next_event(60, lambda e: e.get("event") == "shutdown")["peer_id"] == first_id
 
 
-def test_port_in_use_is_a_clear_address_in_use_error():
+def test_port_in_use_is_a_clear_address_in_use_error(kind):
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
         port = squatter.getsockname()[1]
         with pytest.raises(PeerFailedToStart) as failure:
-            start_peer_process(peer_args(extra=("--port", str(port))), READY_S)
+            start_peer_process(peer_args(kind, extra=("--port", str(port))), READY_S)
     assert failure.value.report["error"] == "AddressInUse"
     assert str(port) in failure.value.report["message"]
 
 
-def test_a_peer_killed_alone_takes_its_dht_process_and_daemon_with_it():
-    peer = start_peer_process(peer_args(), READY_S)
+def test_a_peer_killed_alone_takes_its_dht_process_and_daemon_with_it(kind):
+    if kind == "libp2p":
+        pytest.skip("one process per peer: no DHT process or daemon to outlive it")
+    peer = start_peer_process(peer_args(kind), READY_S)
     spawned = [pid for pid in peer.group_pids() if pid != peer.pid]
     assert peer.p2pd_pids() and len(spawned) >= 2, "a DHT process and a p2pd"
     peer.kill(group=False)
@@ -169,3 +179,25 @@ def test_a_peer_killed_alone_takes_its_dht_process_and_daemon_with_it():
     while any(pid_alive(pid) for pid in spawned) and time.monotonic() < deadline:
         time.sleep(0.2)  # polling with a deadline
     assert not any(pid_alive(pid) for pid in spawned), "orphans outlived their peer"
+
+
+def test_one_key_file_is_one_peer_id_on_both_transports(tmp_path):
+    identity = tmp_path / "peer.key"
+    ids = []
+    for kind in TRANSPORTS:
+        peer = start_peer_process(peer_args(kind, extra=("--identity", str(identity))), READY_S)
+        ids.append(peer.peer_id)
+        assert peer.stop(timeout_s=60) == 0
+    assert ids[0] == ids[1]
+
+
+@pytest.mark.parametrize("seed_kind,joiner_kind", [("hivemind", "libp2p"), ("libp2p", "hivemind")])
+def test_a_peer_of_the_other_transport_cannot_join_and_says_so(seed_kind, joiner_kind):
+    seed = start_peer_process(peer_args(seed_kind), READY_S)
+    args = peer_args(joiner_kind, seed, extra=("--startup-timeout", "20"))
+    with pytest.raises(PeerFailedToStart) as failure:
+        start_peer_process(args, READY_S)
+    report = failure.value.report
+    assert report["error"] == "TransportStartError", report
+    assert "network.transport" in report["message"], report
+    assert seed.alive()

@@ -1,0 +1,179 @@
+"""The RPC framing both real transports speak, written once against a small stream interface.
+
+    request   b"PDQ1" | u64 length | body in chunks of <= 1 MiB
+    continue  0x01, receiver to caller, only before a body over one chunk (within the limit)
+    response  b"PDS1" | u8 status  | u64 length | body in chunks of <= 1 MiB
+
+The receiver reads the 12-byte request header first and refuses a request over its limit
+without reading the body; the caller reads the response header first and refuses a
+response over its limit the same way. docs/transport.md explains each rule.
+
+hivemind's p2pd streams are asyncio, py-libp2p's are trio: each transport wraps its stream
+in a `ByteStream` (reads and writes bounded by the transport's idle timeout, `within` for
+an overall deadline), and the protocol below runs unchanged on either.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, suppress
+from typing import Protocol
+
+from p2pdiloco.ratelimit import ConcurrencyLimit
+from p2pdiloco.transport.base import (
+    CHUNK_BYTES,
+    RemoteError,
+    RequestTooLarge,
+    ResponseTooLarge,
+)
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_PREFIX = "/p2pdiloco/rpc/1/"
+REQUEST_HEADER = struct.Struct(">4sQ")
+RESPONSE_HEADER = struct.Struct(">4sBQ")
+REQUEST_MAGIC = b"PDQ1"
+RESPONSE_MAGIC = b"PDS1"
+STATUS_OK, STATUS_ERROR, STATUS_TOO_LARGE = 0, 1, 2
+MAX_ERROR_BYTES = 4096
+CONTINUE = b"\x01"
+
+
+class StreamEnded(ConnectionError):
+    """The other side closed or reset the stream before the frame was complete."""
+
+
+class ByteStream(Protocol):
+    """One RPC stream as the framing sees it; every wait raises TimeoutError when bounded."""
+
+    async def read(self, n: int, idle_bound: bool = True) -> bytes:
+        """Up to `n` bytes, b"" at the end of the stream; `idle_bound`: TimeoutError after
+        the transport's idle timeout without a byte."""
+
+    async def write(self, data: bytes) -> None:
+        """Write and flush, TimeoutError after the idle timeout."""
+
+    def within(self, seconds: float) -> AbstractAsyncContextManager[None]:
+        """A deadline for a block of reads and writes: TimeoutError when it passes."""
+
+    async def close(self) -> None:
+        """Close the stream; never raises."""
+
+
+async def read_exactly(stream: ByteStream, length: int, idle_bound: bool = True) -> bytes:
+    """Exactly `length` bytes in reads of <= CHUNK_BYTES; StreamEnded if the stream ends first."""
+    parts, remaining = [], length
+    while remaining > 0:
+        chunk = await stream.read(min(CHUNK_BYTES, remaining), idle_bound)
+        if not chunk:
+            raise StreamEnded(f"stream ended {remaining} bytes before the end of a {length}-byte frame")
+        parts.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(parts)  # one copy; growing a bytearray and bytes()-ing it costs two
+
+
+async def write_body(stream: ByteStream, body: bytes) -> None:
+    view = memoryview(body)
+    for offset in range(0, len(view), CHUNK_BYTES):
+        await stream.write(view[offset : offset + CHUNK_BYTES])
+
+
+async def send_response(stream: ByteStream, status: int, body: bytes) -> None:
+    await stream.write(RESPONSE_HEADER.pack(RESPONSE_MAGIC, status, len(body)))
+    await write_body(stream, body)
+
+
+async def _discard(stream: ByteStream, length: int, seconds: float) -> None:
+    """Drain a small refused body (bounded) so the refusal reaches the caller."""
+    with suppress(Exception):
+        async with stream.within(seconds):
+            while length > 0 and (chunk := await stream.read(min(CHUNK_BYTES, length))):
+                length -= len(chunk)
+
+
+async def serve_call(
+    stream: ByteStream,
+    name: str,
+    caller: str,
+    max_request: int,
+    limit: ConcurrencyLimit,
+    handler: Callable[[str, bytes], Awaitable[bytes]],
+) -> None:
+    """Answer one call on `stream` with `handler`; every fault is logged, none raised."""
+    try:
+        magic, length = REQUEST_HEADER.unpack(await read_exactly(stream, REQUEST_HEADER.size))
+        if magic != REQUEST_MAGIC:
+            logger.warning("rpc_bad_frame name=%s caller=%s", name, caller)
+            return
+        if length > max_request:
+            logger.warning(
+                "rpc_rejected reason=request_too_large name=%s caller=%s bytes=%d limit=%d",
+                name, caller, length, max_request,
+            )  # fmt: skip
+            message = f"request of {length} bytes exceeds limit of {max_request} bytes"
+            await send_response(stream, STATUS_TOO_LARGE, message.encode())
+            if length <= CHUNK_BYTES:  # sent unasked: drain it so the refusal lands
+                await _discard(stream, length, 5)
+            return
+        refusal = limit.try_acquire(caller)
+        if refusal is not None:
+            # Refused at the door, never queued: the body is not read.
+            logger.warning(
+                "rpc_rejected reason=too_many_concurrent name=%s caller=%s detail=%r", name, caller, refusal
+            )
+            await send_response(stream, STATUS_ERROR, f"too many concurrent requests ({refusal})".encode())
+            if length <= CHUNK_BYTES:
+                await _discard(stream, length, 1)
+            return
+        try:
+            if length > CHUNK_BYTES:
+                await stream.write(CONTINUE)
+            request = await read_exactly(stream, length)
+            try:
+                response, status = await handler(caller, request), STATUS_OK
+            except Exception as exc:  # noqa: BLE001 - the handler's fault goes back to the caller
+                logger.warning("handler_failed name=%s caller=%s error=%r", name, caller, exc)
+                response, status = f"{type(exc).__name__}: {exc}".encode()[:MAX_ERROR_BYTES], STATUS_ERROR
+            await send_response(stream, status, response)
+        finally:
+            limit.release(caller)
+    except (TimeoutError, ConnectionError) as exc:
+        logger.info("rpc_dropped name=%s caller=%s reason=%s", name, caller, type(exc).__name__)
+    except Exception:
+        logger.exception("rpc_serve_failed name=%s caller=%s", name, caller)
+    finally:
+        await stream.close()
+
+
+async def make_call(stream: ByteStream, request: bytes, peer_id: str, max_response: int) -> bytes:
+    """Send `request` on a fresh stream and return the response body.
+
+    Raises RemoteError / RequestTooLarge (the remote refused), ResponseTooLarge, StreamEnded
+    or TimeoutError (idle); the caller maps the last two to its transport's errors.
+    """
+    await stream.write(REQUEST_HEADER.pack(REQUEST_MAGIC, len(request)))
+    if len(request) > CHUNK_BYTES:
+        # Like HTTP's "Expect: 100-continue": a large body waits for the receiver to accept
+        # its size, so a refused upload costs one round trip, not the payload.
+        first = await read_exactly(stream, 1)
+        if first != CONTINUE:
+            return await _receive_response(stream, peer_id, max_response, first)
+    await write_body(stream, request)
+    return await _receive_response(stream, peer_id, max_response)
+
+
+async def _receive_response(stream: ByteStream, peer_id: str, max_response: int, head: bytes = b"") -> bytes:
+    # No idle bound on the header: the handler may compute for a while; the call's deadline rules.
+    header = head + await read_exactly(stream, RESPONSE_HEADER.size - len(head), idle_bound=False)
+    magic, status, length = RESPONSE_HEADER.unpack(header)
+    if magic != RESPONSE_MAGIC:
+        raise RemoteError(f"peer {peer_id} answered with a malformed frame")
+    if status != STATUS_OK:
+        body = await read_exactly(stream, min(length, MAX_ERROR_BYTES))
+        kind = RequestTooLarge if status == STATUS_TOO_LARGE else RemoteError
+        raise kind(f"peer {peer_id} refused the call: {body.decode(errors='replace')}")
+    if length > max_response:
+        raise ResponseTooLarge(f"response of {length} bytes from {peer_id} exceeds max_response_bytes={max_response}")
+    return await read_exactly(stream, length)

@@ -1,0 +1,80 @@
+"""Expiring (key, subkey) records: the table behind the in-memory DHT and the libp2p one.
+
+The replacement rule is hivemind's: a record under (key, subkey) is replaced only by one
+that expires later, and an expired record is gone. The table is bounded (subkeys per key,
+keys, bytes per value) because, on a real peer, every record in it was sent by someone
+else. Validation (a run's record rules) is the caller's: the table stores bytes.
+"""
+
+from __future__ import annotations
+
+Records = dict[str, tuple[bytes, float]]
+"""`{subkey: (value, expiration_time)}` under one key."""
+
+MAX_KEYS = 1024
+MAX_SUBKEYS_PER_KEY = 4096
+MAX_VALUE_BYTES = 1 << 20
+
+
+class RecordTable:
+    """Records under (key, subkey) with expirations; `now` is passed in (any clock)."""
+
+    def __init__(
+        self,
+        max_keys: int = MAX_KEYS,
+        max_subkeys_per_key: int = MAX_SUBKEYS_PER_KEY,
+        max_value_bytes: int = MAX_VALUE_BYTES,
+    ) -> None:
+        self.max_keys = max_keys
+        self.max_subkeys_per_key = max_subkeys_per_key
+        self.max_value_bytes = max_value_bytes
+        self._records: dict[str, Records] = {}
+
+    def store(self, key: str, subkey: str, value: bytes, expiration_time: float, now: float) -> bool:
+        """Keep the record unless it is expired, too large, older than the one it would
+        replace, or the table is full; True when kept."""
+        if expiration_time <= now or len(value) > self.max_value_bytes:
+            return False
+        records = self._records.get(key)
+        if records is None:
+            if len(self._records) >= self.max_keys and not self._sweep(now):
+                return False
+            records = self._records[key] = {}
+        old = records.get(subkey)
+        if old is not None and old[1] >= expiration_time:
+            return False
+        if old is None and len(records) >= self.max_subkeys_per_key:
+            self._expire(records, now)
+            if len(records) >= self.max_subkeys_per_key:
+                return False
+        records[subkey] = (bytes(value), float(expiration_time))
+        return True
+
+    def get(self, key: str, now: float) -> Records:
+        """Live records under `key` (a copy)."""
+        records = self._records.get(key)
+        if records is None:
+            return {}
+        self._expire(records, now)
+        return dict(records)
+
+    @staticmethod
+    def _expire(records: Records, now: float) -> None:
+        for subkey in [s for s, (_, exp) in records.items() if exp <= now]:
+            del records[subkey]
+
+    def _sweep(self, now: float) -> bool:
+        """Drop expired records and empty keys; True if there is room for a new key."""
+        for key in list(self._records):
+            self._expire(self._records[key], now)
+            if not self._records[key]:
+                del self._records[key]
+        return len(self._records) < self.max_keys
+
+
+def merge_latest(into: Records, records: Records) -> None:
+    """Merge answers from several peers: per subkey, the record that expires last wins."""
+    for subkey, (value, expiration) in records.items():
+        old = into.get(subkey)
+        if old is None or old[1] < expiration:
+            into[subkey] = (value, expiration)
