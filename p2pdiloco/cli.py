@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from p2pdiloco import __version__
-from p2pdiloco.config import PeerConfig, RunConfig, load_config
+from p2pdiloco.config import TRANSPORTS, PeerConfig, RunConfig, load_config
 from p2pdiloco.errors import ConfigError, P2PDilocoError
 
 log = logging.getLogger("p2pdiloco")
@@ -55,6 +55,17 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
         metavar="SECTION.KEY=VALUE",
         help="override one config field, e.g. --set sync.inner_steps=100 (repeatable)",
     )
+    parser.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        help="the run's peer-to-peer stack [network.transport, default \"hivemind\"]",
+    )
+
+
+def _transport_override(args: argparse.Namespace) -> list[str]:
+    """`--transport X` as the override `network.transport="X"` (nothing when absent)."""
+    kind = getattr(args, "transport", None)
+    return [f"network.transport={json.dumps(kind)}"] if kind else []
 
 
 def _add_peer_flag(
@@ -90,7 +101,9 @@ def _peer_shortcuts(args: argparse.Namespace) -> list[str]:
 
 def config_from_args(args: argparse.Namespace, extra: list[str] | None = None) -> RunConfig:
     """The config from --config, then --set, then shortcut flags (`extra`, then peer flags)."""
-    return load_config(args.config, [*args.overrides, *(extra or []), *_peer_shortcuts(args)])
+    return load_config(
+        args.config, [*args.overrides, *_transport_override(args), *(extra or []), *_peer_shortcuts(args)]
+    )
 
 
 def _join_config(args: argparse.Namespace):
@@ -110,7 +123,7 @@ def _join_config(args: argparse.Namespace):
             f"--config conflicts with the manifest of run {manifest.name!r}: the run's config "
             "is the manifest's (use --set for [peer] and per-peer fields)"
         )
-    config = joined_config(manifest, [*args.overrides, *_peer_shortcuts(args)])
+    config = joined_config(manifest, [*args.overrides, *_transport_override(args), *_peer_shortcuts(args)])
     pin_operator(manifest)
     peer = config.peer
     if not peer.initial_peers and not peer.new_run and manifest.bootstrap:
@@ -293,7 +306,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     progress = _PhaseProgress()
     daemon = PeerDaemon(
         config,
-        make_transport_for(config.peer, rules),
+        make_transport_for(config.peer, rules, config.network.transport),
         on_progress=progress.update,
         admission=admission,
         certificates=certificates,
@@ -330,7 +343,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     admission = manifest.admission() if manifest is not None else Admission()
     # A bootstrap node is a DHT node too: it stores only records the run's rules allow.
     rules = RunRecordRules(peer.run, config.sync.num_fragments, admission)
-    transport = make_transport_for(peer, rules)
+    transport = make_transport_for(peer, rules, config.network.transport)
 
     async def serve() -> None:
         stop = asyncio.Event()
@@ -382,7 +395,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     # The embedded demo run stands in for the default run; a --config file stands alone.
     base = DEMO_RUN if args.config is None else []
     # Validated here: one clear line, before any process starts.
-    config = load_config(args.config, [*base, *args.overrides, *extra])
+    config = load_config(args.config, [*base, *args.overrides, *_transport_override(args), *extra])
     if args.peers < 1 or args.rounds < 1:
         raise ConfigError("--peers and --rounds must be >= 1")
     console = Console()
@@ -398,7 +411,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if args.no_dashboard:
             follow_plain(swarm, console)
         else:
-            follow_dashboard(swarm, config.sync.num_fragments)
+            follow_dashboard(swarm, config.sync.num_fragments, config.network.transport)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping every peer…[/]")
         swarm.shutdown()
@@ -425,7 +438,7 @@ def observer_config(args: argparse.Namespace):
     manifest = find_manifest(config.peer)
     admission = Admission()
     if manifest is not None:
-        config = joined_config(manifest, [*args.overrides, *_peer_shortcuts(args)])
+        config = joined_config(manifest, [*args.overrides, *_transport_override(args), *_peer_shortcuts(args)])
         admission = manifest.admission()
         if not config.peer.initial_peers and manifest.bootstrap:
             config = dataclasses.replace(
@@ -435,10 +448,12 @@ def observer_config(args: argparse.Namespace):
     return dataclasses.replace(config, peer=peer), admission
 
 
-def _watched(args: argparse.Namespace) -> tuple[PeerConfig, int]:
-    """Whom a watcher joins through (`[peer]`, initial peers resolved) and how many fragments."""
+def _watched(args: argparse.Namespace) -> tuple[PeerConfig, int, str]:
+    """Whom a watcher joins through (`[peer]`, initial peers resolved), how many fragments,
+    and on which transport."""
     config = config_from_args(args)
-    return _with_initial_peers(config.peer, new_run=False), config.sync.num_fragments
+    peer = _with_initial_peers(config.peer, new_run=False)
+    return peer, config.sync.num_fragments, config.network.transport
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
@@ -447,9 +462,9 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
     from p2pdiloco.dashboard import watch
 
-    peer, num_fragments = _watched(args)
+    peer, num_fragments, transport = _watched(args)
     try:
-        asyncio.run(watch(peer, num_fragments, args.refresh_s))
+        asyncio.run(watch(peer, num_fragments, args.refresh_s, transport_kind=transport))
     except KeyboardInterrupt:
         return 0
     return 0
@@ -463,8 +478,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from p2pdiloco.dashboard import observe_once, render_dashboard
 
-    peer, num_fragments = _watched(args)
-    snapshot = asyncio.run(observe_once(peer, num_fragments))
+    peer, num_fragments, transport = _watched(args)
+    snapshot = asyncio.run(observe_once(peer, num_fragments, transport))
     if args.json:
         print(json.dumps(snapshot.to_json(), indent=2))
     else:

@@ -28,6 +28,7 @@ MERGE_RULES = ("mean", "token", "radial", "trimmed")
 RADIAL_NORMS = ("mean", "median")
 ON_RECEIVE = ("overwrite", "rebase", "mix")
 CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "fp4", "topk")
+TRANSPORTS = ("hivemind", "libp2p")
 
 
 def _check(cond: bool, name: str, message: str) -> None:
@@ -363,6 +364,21 @@ CORRUPTIONS = ("", "nan", "garbage")
 
 
 @dataclass(frozen=True)
+class NetworkConfig:
+    """The peer-to-peer stack of the run: every peer uses the same (docs/transport.md)."""
+
+    transport: str = "hivemind"
+    """hivemind (go-libp2p daemon, hivemind's DHT) or libp2p (py-libp2p, one process)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.transport in TRANSPORTS,
+            "network.transport",
+            f"must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}",
+        )
+
+
+@dataclass(frozen=True)
 class PeerConfig:
     """How this one peer joins and runs: its own choice, never part of the run's hash.
 
@@ -502,6 +518,8 @@ class RunConfig:
     compress: CompressConfig = field(default_factory=CompressConfig)
     screening: ScreeningRules = field(default_factory=ScreeningRules)
     """How synchronizers screen learners' deltas (auditors redo it: part of the run hash)."""
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    """The transport: peers of one run must share it (part of the run hash)."""
     simulate: SimulateConfig = field(default_factory=SimulateConfig)
     peer: PeerConfig = field(default_factory=PeerConfig)
     """Per peer, not shared: left out of `config_hash`."""
@@ -653,7 +671,7 @@ PER_PEER_FIELDS = {
 
 def config_hash(
     config: RunConfig,
-    sections: tuple[str, ...] = ("model", "train", "outer", "sync", "compress", "screening"),
+    sections: tuple[str, ...] = ("model", "train", "outer", "sync", "compress", "screening", "network"),
 ) -> str:
     """A short hash of what every peer of a run must agree on.
 

@@ -228,7 +228,7 @@ class Observer:
         return snap
 
 
-async def _open_observer(peer: PeerConfig, num_fragments: int) -> tuple[Any, Observer]:
+async def _open_observer(peer: PeerConfig, num_fragments: int, kind: str) -> tuple[Any, Observer]:
     """A started client-mode transport joined through `peer.initial_peers`, and an
     observer of `peer.run` on it (never the peer's own address or identity)."""
     from p2pdiloco.peer import make_transport_for
@@ -238,15 +238,16 @@ async def _open_observer(peer: PeerConfig, num_fragments: int) -> tuple[Any, Obs
             initial_peers=peer.initial_peers,
             client_mode=True,
             startup_timeout_s=peer.startup_timeout_s,
-        )
+        ),
+        kind=kind,
     )
     await transport.start()
     return transport, Observer(transport, peer.run, num_fragments)
 
 
-async def observe_once(peer: PeerConfig, num_fragments: int) -> SwarmSnapshot:
+async def observe_once(peer: PeerConfig, num_fragments: int, transport_kind: str = "hivemind") -> SwarmSnapshot:
     """One snapshot of the run (`p2pdiloco status`)."""
-    transport, observer = await _open_observer(peer, num_fragments)
+    transport, observer = await _open_observer(peer, num_fragments, transport_kind)
     try:
         return await observer.refresh()
     finally:
@@ -258,11 +259,12 @@ async def watch(
     num_fragments: int,
     refresh_s: float = 1.0,
     keep_going: Callable[[], bool] = lambda: True,
+    transport_kind: str = "hivemind",
 ) -> None:
     """The live screen: a fresh snapshot every `refresh_s` seconds while `keep_going()`."""
     from rich.live import Live
 
-    transport, observer = await _open_observer(peer, num_fragments)
+    transport, observer = await _open_observer(peer, num_fragments, transport_kind)
     try:
         with Live(render_dashboard(await observer.refresh()), refresh_per_second=2) as live:
             while keep_going():

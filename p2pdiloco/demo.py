@@ -86,7 +86,10 @@ class LocalSwarm:
 
     def start(self, timeout_s: float = 300.0) -> None:
         """Start the bootstrap node, then every learner at once; wait until all are ready."""
-        self.bootstrap = self._spawn("bootstrap", ["bootstrap", "--events"])
+        # the bootstrap node gets the run's config too: its transport, and its fragments'
+        # record keys (it refuses records of keys it does not know)
+        sets = [arg for item in self.sets for arg in ("--set", item)]
+        self.bootstrap = self._spawn("bootstrap", ["bootstrap", "--events", *sets])
         self.bootstrap_maddrs = self._wait_ready(self.bootstrap, timeout_s)["maddrs"]
         base = [
             "join",
@@ -180,12 +183,14 @@ def follow_plain(swarm: LocalSwarm, console: Console) -> None:
         time.sleep(0.5)  # polling the children's event lists, not synchronising
 
 
-def follow_dashboard(swarm: LocalSwarm, num_fragments: int) -> None:
+def follow_dashboard(swarm: LocalSwarm, num_fragments: int, transport_kind: str = "hivemind") -> None:
     """The live dashboard, fed by an observer on the swarm's DHT, until every learner left."""
     from p2pdiloco.dashboard import watch
 
     observer = PeerConfig(initial_peers=tuple(swarm.bootstrap_maddrs))
-    asyncio.run(watch(observer, num_fragments, refresh_s=1.0, keep_going=swarm.running))
+    asyncio.run(
+        watch(observer, num_fragments, refresh_s=1.0, keep_going=swarm.running, transport_kind=transport_kind)
+    )
 
 
 def print_summary(console: Console, summary: dict[str, Any]) -> None:

@@ -302,6 +302,12 @@ def joined_config(manifest: Manifest, overrides: list[str]) -> RunConfig:
     except tomllib.TOMLDecodeError as exc:
         raise ManifestError(f"manifest {manifest.name!r}: its config is not TOML ({exc})") from None
     config = config_from_dict(apply_overrides(raw, overrides))
+    ran = manifest.config().network.transport
+    if config.network.transport != ran:
+        raise ManifestError(
+            f"run {manifest.name!r} runs on the {ran} transport (its manifest says so): "
+            f"a peer started with --transport {config.network.transport} cannot join it"
+        )
     if config_hash(config) != config_hash(manifest.config()):
         raise ManifestError(
             f"run {manifest.name!r} takes its config from its manifest: --set may change only "

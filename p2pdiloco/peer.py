@@ -460,9 +460,11 @@ class PeerDaemon:
             self.on_progress("state", fragment + 1, parts.state.num_fragments)
 
 
-def make_transport_for(options: PeerConfig, rules: RunRecordRules | None = None) -> Transport:
-    """The hivemind transport for a peer's `[peer]` settings (imported lazily), whose DHT
-    node stores and believes only records that pass the run's `rules`."""
+def make_transport_for(
+    options: PeerConfig, rules: RunRecordRules | None = None, kind: str = "hivemind"
+) -> Transport:
+    """The run's transport (`network.transport`, imported lazily) for a peer's `[peer]`
+    settings, whose DHT node stores and believes only records that pass the run's `rules`."""
     from p2pdiloco.transport import make_transport
 
     initial = list(options.initial_peers)
@@ -471,7 +473,7 @@ def make_transport_for(options: PeerConfig, rules: RunRecordRules | None = None)
         initial = initial_peers_with_fallback(initial, load_addresses(options.checkpoint_dir), "")
     try:
         return make_transport(
-            "hivemind",
+            kind,
             initial_peers=initial,
             host=options.host,
             port=options.port,

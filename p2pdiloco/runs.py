@@ -130,7 +130,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from p2pdiloco.peer import make_transport_for
 
     config, admission = observer_config(args)
-    transport = make_transport_for(dataclasses.replace(config.peer, client_mode=True))
+    transport = make_transport_for(dataclasses.replace(config.peer, client_mode=True), kind=config.network.transport)
 
     async def audit():
         await transport.start()

@@ -8,7 +8,7 @@ difference is the network (DHT, synchronizer windows, codecs, merges). Figures:
     round_latency_s       median time from a learner's send to its receipt of the result
     bytes_sent_per_round_per_peer, rounds, replicas_identical
 
-    python scripts/bench_swarm.py --quick --json out/swarm.json
+    python scripts/bench_swarm.py --quick --json out/swarm.json [--transport libp2p]
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def run_lone(sets: list[str], steps: int, num: int, timeout_s: float) -> list[di
 
 def run_swarm(sets: list[str], steps: int, num: int, timeout_s: float) -> list[list[dict]]:
     """A bootstrap node and `num` peers that leave after `steps`; each peer's events."""
-    boot = _spawn(["-m", "p2pdiloco", "bootstrap", "--events"], "bootstrap")
+    boot = _spawn(["-m", "p2pdiloco", "bootstrap", "--events", *sum((["--set", s] for s in sets), [])], "bootstrap")
     peers: list[Child] = []
     try:
         deadline = time.monotonic() + timeout_s
@@ -184,6 +184,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--transport", choices=("hivemind", "libp2p"), default="hivemind")
     parser.add_argument("--lone-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
@@ -193,7 +194,7 @@ def main() -> int:
         return 0
 
     setting = QUICK if args.quick else FULL
-    sets = [*setting["sets"], *COMMON, *args.overrides]
+    sets = [*setting["sets"], *COMMON, f"network.transport='{args.transport}'", *args.overrides]
     steps = setting["steps"]
     started = time.time()
     lone = run_lone(sets, steps, args.peers, timeout_s=1800)
@@ -212,6 +213,7 @@ def main() -> int:
                 hashes.setdefault((e["fragment"], e["round"]), set()).add(e["hash"])
     report = {
         "setting": "quick" if args.quick else "full",
+        "transport": args.transport,
         "peers": args.peers,
         "inner_steps_per_peer": steps,
         "rounds": min(min(s["rounds"]) for s in summaries),
@@ -231,7 +233,7 @@ def main() -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(
-        f"bench_swarm {report['setting']}: peers={report['peers']} rounds={report['rounds']} "
+        f"bench_swarm {report['setting']} transport={args.transport}: peers={report['peers']} rounds={report['rounds']} "
         f"compute_utilization={report['compute_utilization']:.3f} round_latency_s={report['round_latency_s']:.2f} "
         f"bytes/round/peer={report['bytes_sent_per_round_per_peer']:.0f} replicas_identical={report['replicas_identical']}"
     )

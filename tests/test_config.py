@@ -68,6 +68,7 @@ def test_file_then_overrides(tmp_path) -> None:
         ("peer.initial_peers='/ip4/1.2.3.4/tcp/1'", "peer.initial_peers must be a list of strings"),
         ("peer.announce_maddrs=[1]", "peer.announce_maddrs must be a list of strings"),
         ("sync.min_quorum", "must look like section.key=value"),
+        ("network.transport='tcp'", "network.transport must be one of hivemind, libp2p"),
     ],
 )
 def test_bad_values_name_the_field(override: str, message: str) -> None:
@@ -117,3 +118,10 @@ def test_peer_section_is_left_out_of_the_run_hash() -> None:
     assert config_hash(per_peer) == base
     assert config_hash(load_config(None, ["sync.min_quorum=2"])) != base
     assert config_hash(load_config(None, ["compress.codec='int4'"])) != base
+
+
+def test_the_transport_is_part_of_the_run_hash() -> None:
+    """Peers of both transports cannot meet (docs/transport.md), so they are different runs."""
+    libp2p = load_config(None, ["network.transport='libp2p'"])
+    assert libp2p.network.transport == "libp2p"
+    assert config_hash(libp2p) != config_hash(RunConfig())

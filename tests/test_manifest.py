@@ -99,6 +99,8 @@ def test_a_joining_peer_may_change_only_its_own_settings(operator_run) -> None:
     assert config.peer.port == 4100 and config.peer.run == "demo-run"
     with pytest.raises(ManifestError, match="takes its config from its manifest"):
         joined_config(manifest, ["sync.inner_steps=99"])
+    with pytest.raises(ManifestError, match="runs on the hivemind transport .* --transport libp2p cannot join"):
+        joined_config(manifest, ["network.transport='libp2p'"])
     found = find_manifest(dataclasses.replace(load_config(None).peer, run="demo-run"))
     assert found == manifest
 

@@ -20,6 +20,15 @@ TINY_RUN = [
 ]
 
 
+TRANSPORTS = ["hivemind", "libp2p"]
+"""The swarm tests that matter most run on both transports (issue: a second transport)."""
+
+
+def on_transport(kind: str) -> list[str]:
+    """The `--set` item that puts a run on transport `kind`."""
+    return [f"network.transport='{kind}'"]
+
+
 def join_args(
     *, initial: list[str] | None = None, sets: list[str] = (), flags: list[str] = ()
 ) -> list[str]:

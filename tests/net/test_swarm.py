@@ -15,9 +15,11 @@ from p2pdiloco.replica_sync import MAX_CATCH_UP_ROUNDS
 
 from .harness import start_peer_process
 from .swarm_util import (
+    TRANSPORTS,
     Events,
     applied,
     join_args,
+    on_transport,
     start_bootstrap,
     start_learners,
     wait_all,
@@ -38,14 +40,15 @@ def assert_replicas_identical(logs: list[Events], min_common: int = 1) -> None:
         assert len({t[key] for t in tables}) == 1, f"replicas differ at (fragment, round) {key}"
 
 
-def test_peers_train_one_model_and_replicas_stay_identical() -> None:
-    boot = start_bootstrap()
+@pytest.mark.parametrize("kind", TRANSPORTS)
+def test_peers_train_one_model_and_replicas_stay_identical(kind: str) -> None:
+    boot = start_bootstrap("--transport", kind)
     peers = start_learners(
         3,
         boot.maddrs,
         # quorum of all three: no round can close without a peer, however slowly it starts
         # on a loaded machine, so every peer applies every round (quorum < N is tested below)
-        sets=["sync.min_quorum=3", "sync.num_fragments=2"],
+        sets=["sync.min_quorum=3", "sync.num_fragments=2", *on_transport(kind)],
         flags=["--max-rounds", "4", "--data-shards", "3"],
         per_peer=lambda i: ["--data-rank", str(i)],
     )
@@ -137,10 +140,11 @@ def test_straggler_inside_the_grace_window_is_merged_one_after_it_lands_next_rou
     assert_replicas_identical(logs)
 
 
-def test_killed_synchronizer_fails_over_to_the_next_in_rendezvous_order() -> None:
-    boot = start_bootstrap()
+@pytest.mark.parametrize("kind", TRANSPORTS)
+def test_killed_synchronizer_fails_over_to_the_next_in_rendezvous_order(kind: str) -> None:
+    boot = start_bootstrap("--transport", kind)
     # a long grace keeps round 1's window open while its synchronizer dies
-    sets = ["sync.min_quorum=2", "sync.overlap_steps=100000", "sync.max_grace_s=10"]
+    sets = ["sync.min_quorum=2", "sync.overlap_steps=100000", "sync.max_grace_s=10", *on_transport(kind)]
     peers = start_learners(
         4,
         boot.maddrs,
@@ -166,18 +170,20 @@ def test_killed_synchronizer_fails_over_to_the_next_in_rendezvous_order() -> Non
     assert closed_1, "a survivor closed the round the dead synchronizer held"
 
 
-def test_late_joiner_downloads_the_state_and_converges() -> None:
-    boot = start_bootstrap()
+@pytest.mark.parametrize("kind", TRANSPORTS)
+def test_late_joiner_downloads_the_state_and_converges(kind: str) -> None:
+    boot = start_bootstrap("--transport", kind)
+    sets = ["sync.min_quorum=2", *on_transport(kind)]
     # K=2: with K=1 two peers started together may both close round 0 alone (healed
     # later by the hash check, see docs/architecture.md), which is not what this tests
-    first = start_learners(2, boot.maddrs, sets=["sync.min_quorum=2"])
+    first = start_learners(2, boot.maddrs, sets=sets)
     logs = [Events(p) for p in first]
     # Further than a replay reaches, so the joiner must download (with applied(2) it
     # relied on its own start-up time to fall that far behind, and once replayed instead)
     wait_all(logs, applied(MAX_CATCH_UP_ROUNDS + 2), ROUND_WAIT_S)
     joiner = Events(
         start_peer_process(
-            join_args(initial=boot.maddrs, sets=["sync.min_quorum=2"]), ready_timeout_s=240
+            join_args(initial=boot.maddrs, sets=sets), ready_timeout_s=240
         )
     )
     download = joiner.wait(lambda e: e.get("event") == "downloaded", ROUND_WAIT_S)
@@ -189,15 +195,16 @@ def test_late_joiner_downloads_the_state_and_converges() -> None:
     joiner.wait(lambda e: e.get("event") == "contributed", ROUND_WAIT_S)
 
 
-def test_nan_and_malformed_contributions_are_rejected_and_the_run_goes_on() -> None:
-    boot = start_bootstrap()
+@pytest.mark.parametrize("kind", TRANSPORTS)
+def test_nan_and_malformed_contributions_are_rejected_and_the_run_goes_on(kind: str) -> None:
+    boot = start_bootstrap("--transport", kind)
     faults = {
         2: ["--corrupt", "nan", "--corrupt-rounds", "1"],
         3: ["--corrupt", "garbage", "--corrupt-rounds", "1"],
     }
     # the barrier lines the peers up and a long grace keeps round 0 open until the faulty
     # peers' contributions have arrived
-    sets = ["sync.min_quorum=2", "sync.overlap_steps=100000", "sync.max_grace_s=15"]
+    sets = ["sync.min_quorum=2", "sync.overlap_steps=100000", "sync.max_grace_s=15", *on_transport(kind)]
     peers = start_learners(
         4,
         boot.maddrs,
