@@ -211,6 +211,7 @@ class Libp2pTransport(Transport):
         self._records = RecordTable()
         self._known: dict[str, _Known] = {}
         self._refused: dict[str, int] = {}
+        self._bootstrap_error = ""
         self._ready = asyncio.Event()
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -263,6 +264,11 @@ class Libp2pTransport(Transport):
             await asyncio.wait_for(self._in_trio(self._bootstrap), self.startup_timeout_s)
         except TimeoutError:
             await self.shutdown()
+            if self._bootstrap_error:
+                raise TransportStartError(
+                    f"none of the initial peers answered ({', '.join(self.initial_peers)}) within "
+                    f"{self.startup_timeout_s:g}s: {self._bootstrap_error}"
+                ) from None
             raise TransportStartError(f"libp2p transport not started after {self.startup_timeout_s}s") from None
         except BaseException:
             await self.shutdown()
@@ -625,6 +631,7 @@ class Libp2pTransport(Transport):
                     last_error = str(exc)
                 except (TransportError, TimeoutError, trio.TooSlowError, ValueError, msgpack.UnpackException) as exc:
                     last_error = f"{type(exc).__name__}: {exc}"
+            self._bootstrap_error = last_error
             logger.info("bootstrap_retry error=%s", last_error)
             await trio.sleep(0.5)  # back-off between attempts; start()'s deadline bounds them
 

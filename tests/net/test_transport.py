@@ -201,3 +201,17 @@ def test_a_peer_of_the_other_transport_cannot_join_and_says_so(seed_kind, joiner
     assert report["error"] == "TransportStartError", report
     assert "network.transport" in report["message"], report
     assert seed.alive()
+
+
+def test_a_client_mode_peer_calls_and_uses_the_records_without_listening(kind):
+    first = start_peer_process(peer_args(kind), READY_S)
+    client = start_peer_process(peer_args(kind, first, extra=("--client-mode",)), READY_S)
+    if kind == "libp2p":
+        assert client.maddrs == [], "a client-mode peer has no listening address"
+    echoed = call(client, first, "echo", MB, seed=3)
+    assert echoed["ok"] and echoed["echo_matches"], echoed
+    put = {"op": "store", "key": "members", "subkey": "c", "value": "from-client", "ttl_s": 120}
+    assert client.request(put, 60)["stored"]
+    records = wait_for_records(first, "members", lambda r: "c" in r)
+    assert records["c"][0] == "from-client", records
+    assert wait_for_records(client, "members", lambda r: "c" in r)["c"][0] == "from-client"
