@@ -18,7 +18,7 @@ def test_a_record_is_replaced_only_by_one_that_expires_later_and_expires_on_time
 
 
 def test_the_table_is_bounded_against_a_flood() -> None:
-    table = RecordTable(max_keys=2, max_subkeys_per_key=3, max_value_bytes=8)
+    table = RecordTable(max_keys=2, max_subkeys_per_key=3, max_value_bytes=8, max_key_bytes=16)
     assert not table.store("k", "a", b"x" * 9, 10.0, 0.0)  # too large
     assert all(table.store("k", s, b"v", 10.0, 0.0) for s in "abc")
     assert not table.store("k", "d", b"v", 10.0, 0.0)  # a fourth subkey
@@ -27,6 +27,9 @@ def test_the_table_is_bounded_against_a_flood() -> None:
     assert not table.store("k3", "a", b"v", 10.0, 0.0)  # a third key
     assert table.store("k3", "a", b"v", 10.0, 6.0)  # once k2 has expired there is room
     assert table.store("k", "d", b"v", 20.0, 11.0)  # expired subkeys make room too
+    assert table.store("k3", "b", b"x" * 8, 10.0, 6.0)
+    assert not table.store("k3", "c", b"x" * 8, 10.0, 6.0)  # over the key's 16 bytes
+    assert table.store("k3", "b", b"y" * 8, 11.0, 6.0)  # a replacement counts once
 
 
 def test_answers_of_several_peers_merge_to_the_latest_record_per_subkey() -> None:

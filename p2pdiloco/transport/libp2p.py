@@ -13,7 +13,7 @@ event loop in its own thread, and this class bridges the asyncio side of p2pdilo
   server peer keeps a `RecordTable`; a record is stored on, and read from, the
   `REPLICAS` server peers closest to its key (XOR distance of hashes, Kademlia's metric)
   among those this peer knows; peers learn each other through the bootstrap peers and a
-  periodic exchange of known peers. Every record is checked with the run's rules when a
+  periodic exchange of known peers (a peer named by another is probed before it counts). Every record is checked with the run's rules when a
   peer asks to store it and when one returns it, as hivemind's validators do.
 - **Client mode**: no listening socket; the peer dials out, serves calls over the
   connections it opened, and keeps no records.
@@ -91,6 +91,9 @@ REFRESH_S = 5.0
 MAX_KNOWN = 1024
 MAX_SHARED = 64
 """Known peers sent in one exchange."""
+MAX_CANDIDATES = 256
+MAX_PROBES = 8
+"""Candidates probed at once after an exchange."""
 MAX_FAILURES = 3
 """Consecutive failed exchanges before a peer is forgotten."""
 MAX_RECORD_REQUEST = 2 << 20
@@ -210,6 +213,9 @@ class Libp2pTransport(Transport):
         self._limits_lock = threading.Lock()
         self._records = RecordTable()
         self._known: dict[str, _Known] = {}
+        """Server peers that answered us (or called us) under their own, authenticated id."""
+        self._candidates: dict[str, list[str]] = {}
+        """Peers another peer told us of: known only once they answer a probe themselves."""
         self._refused: dict[str, int] = {}
         self._bootstrap_error = ""
         self._ready = asyncio.Event()
@@ -517,9 +523,11 @@ class Libp2pTransport(Transport):
         return remote
 
     def _addresses_of(self, remote: ID) -> list[multiaddr.Multiaddr]:
-        known = self._known.get(remote.to_base58())
-        if known is not None:
-            return [multiaddr.Multiaddr(a) for a in known.maddrs]
+        peer = remote.to_base58()
+        known = self._known.get(peer)
+        maddrs = known.maddrs if known is not None else self._candidates.get(peer)
+        if maddrs:
+            return [multiaddr.Multiaddr(a) for a in maddrs]
         try:
             return list(self._host.get_peerstore().addrs(remote))
         except Exception:  # noqa: BLE001 - the peerstore raises for an unknown peer
@@ -527,14 +535,10 @@ class Libp2pTransport(Transport):
 
     async def _ask_around(self) -> None:
         """One exchange with up to 3 known peers at once, bounded by the idle timeout."""
-        async def ask(peer: str) -> None:
-            with suppress(TransportError, TimeoutError, trio.TooSlowError, ValueError, msgpack.UnpackException):
-                await self._exchange(peer)
-
         with trio.move_on_after(min(self.idle_timeout_s, 10)):
             async with trio.open_nursery() as nursery:
                 for peer in random.sample(list(self._known), min(3, len(self._known))):
-                    nursery.start_soon(ask, peer)
+                    nursery.start_soon(self._try_exchange, peer)
 
     async def _call_self(self, name: str, request: bytes, max_response: int) -> bytes:
         if name not in self._handlers:
@@ -585,15 +589,22 @@ class Libp2pTransport(Transport):
         return msgpack.packb(shared[:MAX_SHARED])
 
     def _learn(self, peer_id: str, maddrs: object) -> None:
-        """Remember a server peer's addresses (well-formed ones only, bounded)."""
+        """Remember a server peer that called us under its own id, at the addresses it
+        announced (well-formed ones that name it, bounded)."""
+        good = self._addresses(peer_id, maddrs)
+        if good and (peer_id in self._known or len(self._known) < MAX_KNOWN):
+            self._known[peer_id] = _Known(good)
+            self._candidates.pop(peer_id, None)
+
+    def _addresses(self, peer_id: object, maddrs: object) -> list[str]:
+        """The well-formed `/p2p/<peer_id>` multiaddrs of `maddrs`, without that suffix."""
         if peer_id == self._peer_id or not is_peer_id(peer_id) or not isinstance(maddrs, list):
-            return
-        good = [a for a in maddrs[:8] if isinstance(a, str) and len(a) < 256 and _split_maddr(a) == (a.rpartition("/p2p/")[0], peer_id)]
-        if not good:
-            return
-        if peer_id not in self._known and len(self._known) >= MAX_KNOWN:
-            return
-        self._known[peer_id] = _Known([a.rpartition("/p2p/")[0] for a in good])
+            return []
+        return [
+            a.rpartition("/p2p/")[0]
+            for a in maddrs[:8]
+            if isinstance(a, str) and len(a) < 256 and _split_maddr(a) == (a.rpartition("/p2p/")[0], peer_id)
+        ]
 
     def _refusal(self, key: str, subkey: str, value: bytes, expiration: float) -> str | None:
         """Why the run's rules refuse a record (logged, counted), or None."""
@@ -620,7 +631,10 @@ class Libp2pTransport(Transport):
         while seeds:
             for _, peer in seeds:
                 try:
-                    await self._exchange(peer)
+                    fresh = await self._exchange(peer)
+                    async with trio.open_nursery() as nursery:
+                        for candidate in fresh[:MAX_PROBES]:
+                            nursery.start_soon(self._probe, candidate)
                     return
                 except RemoteError as exc:
                     if "no handler" in str(exc):
@@ -635,15 +649,46 @@ class Libp2pTransport(Transport):
             logger.info("bootstrap_retry error=%s", last_error)
             await trio.sleep(0.5)  # back-off between attempts; start()'s deadline bounds them
 
-    async def _exchange(self, peer: str) -> None:
-        """Swap known peers with `peer`; raises TransportError."""
+    async def _exchange(self, peer: str) -> list[str]:
+        """Swap known peers with `peer` (which becomes known: it answered under its id);
+        returns the new candidates it named. Raises TransportError, TimeoutError,
+        trio.TooSlowError or a decoding error."""
         with trio.fail_after(self.dht_timeout_s):
             raw = await self._call(peer, RECORDS_PEERS, msgpack.packb(self._maddrs), MAX_RECORDS_RESPONSE)
+        if peer in self._candidates and len(self._known) < MAX_KNOWN:
+            self._known[peer] = _Known(self._candidates.pop(peer))
         shared = msgpack.unpackb(raw, raw=False)
-        if isinstance(shared, list):
-            for item in shared[:MAX_SHARED]:
-                if isinstance(item, list) and len(item) == 2 and isinstance(item[0], str):
-                    self._learn(item[0], [f"{a}/p2p/{item[0]}" for a in item[1] if isinstance(a, str)] if isinstance(item[1], list) else [])
+        fresh = []
+        for item in shared[:MAX_SHARED] if isinstance(shared, list) else []:
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[1], list)):
+                continue
+            other, maddrs = item
+            if other in self._known or other in self._candidates or len(self._candidates) >= MAX_CANDIDATES:
+                continue
+            good = self._addresses(other, [f"{a}/p2p/{other}" for a in maddrs if isinstance(a, str)])
+            if good:
+                self._candidates[other] = good
+                fresh.append(other)
+        return fresh
+
+    async def _try_exchange(self, peer: str) -> bool:
+        """`_exchange`, then probe up to MAX_PROBES of the candidates it named; False if
+        `peer` did not answer (a candidate that does not answer is dropped)."""
+        try:
+            fresh = await self._exchange(peer)
+        except (TransportError, TimeoutError, trio.TooSlowError, ValueError, TypeError, msgpack.UnpackException):
+            self._candidates.pop(peer, None)
+            return False
+        async with trio.open_nursery() as nursery:
+            for candidate in fresh[:MAX_PROBES]:
+                nursery.start_soon(self._probe, candidate)
+        return True
+
+    async def _probe(self, candidate: str) -> None:
+        try:
+            await self._exchange(candidate)
+        except (TransportError, TimeoutError, trio.TooSlowError, ValueError, TypeError, msgpack.UnpackException):
+            self._candidates.pop(candidate, None)
 
     async def _refresh_loop(self) -> None:
         """Every REFRESH_S, swap known peers with a few; forget those that keep failing."""
@@ -654,16 +699,12 @@ class Libp2pTransport(Transport):
                     if peer != self._peer_id:
                         self._known[peer] = _Known([address])
             for peer in random.sample(list(self._known), min(3, len(self._known))):
-                try:
-                    await self._exchange(peer)
-                    if peer in self._known:
-                        self._known[peer].failures = 0
-                except (TransportError, TimeoutError, trio.TooSlowError, ValueError, msgpack.UnpackException):
-                    entry = self._known.get(peer)
-                    if entry is not None:
-                        entry.failures += 1
-                        if entry.failures >= MAX_FAILURES:
-                            del self._known[peer]
+                answered = await self._try_exchange(peer)
+                entry = self._known.get(peer)
+                if entry is not None:
+                    entry.failures = 0 if answered else entry.failures + 1
+                    if entry.failures >= MAX_FAILURES:
+                        del self._known[peer]
 
     def _closest(self, key: str) -> list[str]:
         candidates = list(self._known) + ([] if self._client_mode else [self._peer_id])

@@ -14,6 +14,8 @@ Records = dict[str, tuple[bytes, float]]
 MAX_KEYS = 1024
 MAX_SUBKEYS_PER_KEY = 4096
 MAX_VALUE_BYTES = 1 << 20
+MAX_KEY_BYTES = 12 << 20
+"""All values under one key: what one `get` answer may carry."""
 
 
 class RecordTable:
@@ -24,10 +26,12 @@ class RecordTable:
         max_keys: int = MAX_KEYS,
         max_subkeys_per_key: int = MAX_SUBKEYS_PER_KEY,
         max_value_bytes: int = MAX_VALUE_BYTES,
+        max_key_bytes: int = MAX_KEY_BYTES,
     ) -> None:
         self.max_keys = max_keys
         self.max_subkeys_per_key = max_subkeys_per_key
         self.max_value_bytes = max_value_bytes
+        self.max_key_bytes = max_key_bytes
         self._records: dict[str, Records] = {}
 
     def store(self, key: str, subkey: str, value: bytes, expiration_time: float, now: float) -> bool:
@@ -46,6 +50,12 @@ class RecordTable:
         if old is None and len(records) >= self.max_subkeys_per_key:
             self._expire(records, now)
             if len(records) >= self.max_subkeys_per_key:
+                return False
+        held = sum(len(v) for s, (v, _) in records.items() if s != subkey)
+        if held + len(value) > self.max_key_bytes:
+            self._expire(records, now)
+            held = sum(len(v) for s, (v, _) in records.items() if s != subkey)
+            if held + len(value) > self.max_key_bytes:
                 return False
         records[subkey] = (bytes(value), float(expiration_time))
         return True
