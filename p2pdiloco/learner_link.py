@@ -25,7 +25,7 @@ from p2pdiloco.election import synchronizer_order
 from p2pdiloco.membership import Heartbeat, synchronizer_candidates
 from p2pdiloco.replica_sync import ReplicaSync
 from p2pdiloco.rounds import RoundRecord, open_record
-from p2pdiloco.transport.base import Transport, TransportError
+from p2pdiloco.transport.base import Transport, TransportError, transfer_timeout_s
 
 log = logging.getLogger(__name__)
 
@@ -81,17 +81,17 @@ class LearnerLink:
         self.limits = limits
         self.bytes_received = 0
 
-    @property
-    def call_timeout_s(self) -> float:
-        """A live synchronizer answers by its deadline plus grace, merge and commit time;
-        only a dead or frozen one runs past this (then: failover)."""
+    def call_timeout_s(self, frame_bytes: int) -> float:
+        """A live synchronizer answers by its deadline plus grace, merge and commit time,
+        plus moving the contribution in and an update of its size out to a holder (twice,
+        if the first holder fails) on a slow link; only a dead or frozen one runs past
+        this (then: failover)."""
         sync = self.sync
-        return sync.round_deadline_s + sync.max_grace_s + 30.0
+        return transfer_timeout_s(sync.round_deadline_s + sync.max_grace_s + 30.0, 3 * frame_bytes)
 
-    @property
-    def overall_timeout_s(self) -> float:
+    def overall_timeout_s(self, frame_bytes: int) -> float:
         """Bound on one contribution, every candidate and move included."""
-        return 2 * self.call_timeout_s + 30.0
+        return 2 * self.call_timeout_s(frame_bytes) + 30.0
 
     def candidates(self, round_id: int, fragment: int) -> list[str]:
         """Failover order of synchronizers for (round, fragment) in this peer's view."""
@@ -104,7 +104,7 @@ class LearnerLink:
         started = time.monotonic()
         try:
             return await asyncio.wait_for(
-                self._contribute(fragment, target_round, frame, started), self.overall_timeout_s
+                self._contribute(fragment, target_round, frame, started), self.overall_timeout_s(len(frame))
             )
         except TimeoutError:
             settled = await self._settle_by_record(fragment, target_round, "", started, len(frame), 0)
@@ -126,7 +126,7 @@ class LearnerLink:
                     candidate,
                     f"{self.run}.{messages.RPC_CONTRIBUTE}",
                     seal_contribution(self.transport.identity, self.run, frame),
-                    timeout_s=self.call_timeout_s,
+                    timeout_s=self.call_timeout_s(len(frame)),
                     max_response_bytes=1 << 20,
                 )
             except TransportError as exc:

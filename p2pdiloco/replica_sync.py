@@ -58,8 +58,14 @@ from p2pdiloco.state import (
     install_update,
     prepare_update,
 )
-from p2pdiloco.state_transfer import PartsAssembler, decode_part, encode_part, part_count
-from p2pdiloco.transport.base import Transport, TransportError
+from p2pdiloco.state_transfer import (
+    MAX_PART_ELEMENTS,
+    PartsAssembler,
+    decode_part,
+    encode_part,
+    part_count,
+)
+from p2pdiloco.transport.base import Transport, TransportError, transfer_timeout_s
 from p2pdiloco.trust import Admission
 from p2pdiloco.updates import Update, UpdateStore, parse_update
 
@@ -80,9 +86,10 @@ def outer_gradient_norm(update: Update) -> float:
         return math.inf
 
 FETCH_TIMEOUT_S = 30.0
-"""Deadline of one `get_update` call, seconds."""
+"""Deadline of one `get_update` call, seconds, plus its expected bytes (int8: about one a
+parameter) at the slowest expected link (`transfer_timeout_s`)."""
 STATE_TIMEOUT_S = 120.0
-"""Deadline of one `get_state` call, seconds."""
+"""Deadline of one `get_state` call, seconds, plus a whole part (fp32) at that link."""
 MAX_FETCH_PEERS = 6
 """Peers asked for one update before this sync pass gives up on it."""
 MAX_CATCH_UP_ROUNDS = 8
@@ -139,6 +146,7 @@ class ReplicaSync:
             {n: tuple(state.params[n].shape) for n in names} for names in state.fragments
         ]
         self.genesis = [state.fragment_hash(f) for f in range(state.num_fragments)]
+        self._sizes = [sum(math.prod(shape) for shape in shapes.values()) for shapes in self.shapes]
         self.chains: list[dict[int, RoundRecord]] = [{} for _ in state.fragments]
         """The canonical chain of each fragment as last read from the DHT."""
         self.applied: list[dict[int, str]] = [{} for _ in state.fragments]
@@ -574,6 +582,10 @@ class ReplicaSync:
         for old in [r for r in notified if r < current - 64]:
             del notified[old]
 
+    def _elements(self, fragment: int) -> int:
+        """Parameters of `fragment` (sizes a transfer's deadline)."""
+        return self._sizes[fragment]
+
     async def _fetch(self, record: RoundRecord) -> Update | None:
         """The update frame a record names, from our store or a holder; verified by digest."""
         kept = self.store.get(record.fragment, record.digest)
@@ -598,7 +610,7 @@ class ReplicaSync:
                     peer,
                     f"{self.run}.{messages.RPC_GET_UPDATE}",
                     request,
-                    timeout_s=FETCH_TIMEOUT_S,
+                    timeout_s=transfer_timeout_s(FETCH_TIMEOUT_S, self._elements(record.fragment)),
                     max_response_bytes=self.limits.max_frame_bytes,
                 )
             except TransportError:
@@ -700,7 +712,7 @@ class ReplicaSync:
                     donor,
                     f"{self.run}.{messages.RPC_GET_STATE}",
                     request,
-                    timeout_s=STATE_TIMEOUT_S,
+                    timeout_s=transfer_timeout_s(STATE_TIMEOUT_S, 4 * min(MAX_PART_ELEMENTS, 2 * self._elements(fragment))),
                     max_response_bytes=self.limits.max_frame_bytes,
                 )
             except TransportError as exc:

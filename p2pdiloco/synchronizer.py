@@ -44,7 +44,7 @@ from p2pdiloco.replica_sync import ReplicaSync
 from p2pdiloco.rounds import RoundRecord, record_subkey, records_of, rounds_key, signed_record
 from p2pdiloco.screening import Candidate, ScreeningRules
 from p2pdiloco.state import GlobalState, prepare_update
-from p2pdiloco.transport.base import Transport, TransportError
+from p2pdiloco.transport.base import Transport, TransportError, transfer_timeout_s
 from p2pdiloco.updates import Update, build_update_frame, parse_update
 from p2pdiloco.windows import (
     Close,
@@ -62,7 +62,11 @@ log = logging.getLogger(__name__)
 ROUND_RECORD_TTL_S = 3600.0
 """How long round records stay in the DHT, seconds."""
 HOLD_TIMEOUT_S = 20.0
-"""Deadline for the holders to take an update before the round is given up, seconds."""
+"""Deadline for a holder to take an update, seconds, plus the update's bytes at the
+slowest expected link (`transfer_timeout_s`)."""
+BACKGROUND_PUSHES = 2
+"""Pushes to further learners at once, after the commit holders acked: each one shares
+the synchronizer's uplink with the rest."""
 
 Hook = Callable[[str, int, int], Awaitable[None]]
 """`await hook(phase, round, fragment)` at each phase of a commit (fault injection)."""
@@ -539,8 +543,11 @@ class Synchronizer:
     async def _hold(self, update: Update) -> list[str] | None:
         """Push the update to live learners until `commit_holders` keep it; None if too few.
 
-        Contributors first (they need it anyway), then the other live learners; pushes
-        beyond the first R acks go on in the background so more peers hold it.
+        Contributors first (they need it anyway), then the other live learners. Only as
+        many pushes as holders are still needed run at once (a failed one is replaced by
+        the next target), so on a slow uplink the first holder gets the whole of it; once
+        enough acked, the other learners get it in the background, `BACKGROUND_PUSHES` at
+        a time, so more peers hold it.
         """
         me = self.peer_id
         contributors = [c[0] for c in update.contributors if c[0] != me]
@@ -549,38 +556,56 @@ class Synchronizer:
         need = min(self.config.sync.commit_holders, len(targets))
         if need == 0:
             return []
+        timeout_s = transfer_timeout_s(HOLD_TIMEOUT_S, len(update.frame))
         holders: list[str] = []
-        enough = asyncio.Event()
-
-        async def push(peer: str) -> None:
-            try:
-                raw = await self.transport.call(
-                    peer,
-                    f"{self.run}.{messages.RPC_HOLD_UPDATE}",
-                    update.frame,
-                    timeout_s=HOLD_TIMEOUT_S,
-                    max_response_bytes=1 << 16,
-                )
-            except TransportError as exc:
-                log.info("hold failed peer=%s error=%r", peer[-8:], exc)
-                return
-            reply = messages.decode_reply(raw, self.limits, self.run)
-            if (
-                not isinstance(reply, wire.Rejected)
-                and reply.meta.get("status") == messages.HELD
-                and reply.meta.get("digest") == update.digest
-            ):
-                holders.append(peer)
-                if len(holders) >= need:
-                    enough.set()
-
-        pushes = [asyncio.ensure_future(push(p)) for p in targets]
-        for task in pushes:
+        queue = list(targets)  # not tried yet: a failed push is not repeated
+        running: set[asyncio.Future] = set()
+        deadline = time.monotonic() + 2 * timeout_s  # one failed wave, then its replacement
+        while len(holders) < need and (queue or running) and time.monotonic() < deadline:
+            while queue and len(running) < need - len(holders):
+                running.add(asyncio.ensure_future(self._push(queue.pop(0), update, timeout_s)))
+            done, running = await asyncio.wait(
+                running, timeout=deadline - time.monotonic(), return_when=asyncio.FIRST_COMPLETED
+            )
+            holders += [peer for peer in (task.result() for task in done) if peer is not None]
+        for task in running:
+            task.cancel()
+        if len(holders) < need:
+            return None
+        if queue:
+            task = asyncio.ensure_future(self._push_rest(queue, update, timeout_s))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        all_done = asyncio.ensure_future(asyncio.wait(pushes))
-        waiter = asyncio.ensure_future(enough.wait())
-        await asyncio.wait({all_done, waiter}, timeout=HOLD_TIMEOUT_S + 5, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        all_done.cancel()
-        return list(holders) if len(holders) >= need else None
+        return list(holders)
+
+    async def _push(self, peer: str, update: Update, timeout_s: float) -> str | None:
+        """Hand the update to `peer` to hold; its id once it acked the digest, else None."""
+        try:
+            raw = await self.transport.call(
+                peer,
+                f"{self.run}.{messages.RPC_HOLD_UPDATE}",
+                update.frame,
+                timeout_s=timeout_s,
+                max_response_bytes=1 << 16,
+            )
+        except TransportError as exc:
+            log.info("hold failed peer=%s error=%r", peer[-8:], exc)
+            return None
+        reply = messages.decode_reply(raw, self.limits, self.run)
+        if (
+            not isinstance(reply, wire.Rejected)
+            and reply.meta.get("status") == messages.HELD
+            and reply.meta.get("digest") == update.digest
+        ):
+            return peer
+        return None
+
+    async def _push_rest(self, peers: list[str], update: Update, timeout_s: float) -> None:
+        """After the commit: the update to the other learners, a few at a time."""
+        slots = asyncio.Semaphore(BACKGROUND_PUSHES)
+
+        async def one(peer: str) -> None:
+            async with slots:
+                await self._push(peer, update, timeout_s)
+
+        await asyncio.gather(*(one(p) for p in peers))

@@ -280,8 +280,9 @@ def run_diloco(setting: dict[str, Any], steps: int, target: float, workdir: Path
         for child in peers:
             child.request_stop()
         summaries = []
-        for child in peers:
-            child.wait_event(lambda e: e.get("event") == "summary", WAIT_S)
+        for child in peers:  # learner 0's may be the one that ended the loop above
+            if child.first("summary") is None:
+                child.wait_event(lambda e: e.get("event") == "summary", WAIT_S)
             summaries.append(child.first("summary"))
         sent = [a - b for a, b in zip(sent_bytes(), before, strict=True)]
         evals = peers[0].of("eval")

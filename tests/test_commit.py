@@ -56,6 +56,8 @@ class CrashNetwork(MemoryNetwork):
         self.killed: set[str] = set()
         self.in_flight: dict[str, dict[asyncio.Task, str]] = {}
         self.refuse_records = False
+        self.peak_calls: dict[str, int] = {}
+        """Most calls of each RPC name in flight at once, over all peers."""
 
     def kill(self, peer_id: str) -> None:
         super().kill(peer_id)
@@ -89,6 +91,8 @@ class CrashTransport(MemoryTransport):
         inner = asyncio.ensure_future(super()._call(peer_id, name, request, max_response))
         calls = self.network.in_flight.setdefault(peer_id, {})
         calls[inner] = name
+        now = sum(n == name for flight in self.network.in_flight.values() for n in flight.values())
+        self.network.peak_calls[name] = max(self.network.peak_calls.get(name, 0), now)
         try:
             await asyncio.wait({inner})
         except asyncio.CancelledError:  # our own deadline
@@ -310,6 +314,30 @@ def test_a_synchronizer_killed_at_any_commit_phase_leaves_one_round_and_loses_no
         assert second.hash() == third.hash() == chain[1].hash
 
     scenario(3, body)
+
+
+def test_the_update_goes_to_one_holder_at_a_time_and_a_failed_push_is_replaced() -> None:
+    """On a slow uplink concurrent pushes share it: with R = 1 only one push runs before the
+    commit, and a holder that fails (here: both contributors die) is replaced by the next."""
+
+    async def body(cluster: Cluster) -> None:
+        synchronizer, first, second, bystander = cluster[0], cluster[1], cluster[2], cluster[3]
+
+        async def contributors_die() -> None:
+            for node in (first, second):
+                cluster.network.kill(node.peer_id)
+
+        synchronizer.on_phase["during_merge"] = contributors_die
+        for node in (first, second):  # their calls die with them: nothing to await
+            task = asyncio.ensure_future(node.contribute(1.0))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        await poll(lambda: ("after_record", 0) in synchronizer.phases, timeout_s=20)
+        (committed,) = [r for (round_id, _), r in cluster.dht_records().items() if round_id == 0]
+        assert committed.holders == (bystander.peer_id,)
+        assert cluster.network.peak_calls[f"{RUN}.{messages.RPC_HOLD_UPDATE}"] == 1
+        assert bystander.replicas.store.get(0, committed.digest) is not None
+
+    scenario(4, body)
 
 
 def test_a_delta_arriving_during_the_merge_is_told_it_is_late() -> None:

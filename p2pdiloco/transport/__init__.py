@@ -11,6 +11,7 @@ from typing import Any
 from p2pdiloco.transport.base import (
     CHUNK_BYTES,
     DEFAULT_MAX_BYTES,
+    MIN_LINK_BYTES_PER_S,
     AddressInUse,
     CallTimeout,
     Handler,
@@ -22,11 +23,13 @@ from p2pdiloco.transport.base import (
     TransportClosed,
     TransportError,
     TransportStartError,
+    transfer_timeout_s,
 )
 
 __all__ = [
     "CHUNK_BYTES",
     "DEFAULT_MAX_BYTES",
+    "MIN_LINK_BYTES_PER_S",
     "AddressInUse",
     "CallTimeout",
     "Handler",
@@ -39,6 +42,7 @@ __all__ = [
     "TransportError",
     "TransportStartError",
     "TRANSPORT_KINDS",
+    "transfer_timeout_s",
     "make_transport",
 ]
 

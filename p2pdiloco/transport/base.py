@@ -44,6 +44,16 @@ CHUNK_BYTES = 1 << 20
 DEFAULT_MAX_BYTES = 64 << 20
 """Default request/response size limit, bytes (64 MiB)."""
 
+MIN_LINK_BYTES_PER_S = 250_000
+"""The slowest link a peer is expected to have (2 Mbit/s): deadlines of calls that move
+a payload grow with its size at this rate, so a 10 MB update is not cut off at 20 s on a
+10 Mbit/s home uplink shared by three pushes (measured: rounds never committed)."""
+
+
+def transfer_timeout_s(base_s: float, nbytes: int) -> float:
+    """A call's deadline: `base_s` for the work, plus `nbytes` at `MIN_LINK_BYTES_PER_S`."""
+    return base_s + max(nbytes, 0) / MIN_LINK_BYTES_PER_S
+
 
 class TransportError(Exception):
     """A peer or network fault; callers catch this and carry on."""
