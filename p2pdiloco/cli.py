@@ -168,6 +168,8 @@ def _simulate_shortcuts(args: argparse.Namespace) -> list[str]:
         shortcuts.append(f"model.preset={json.dumps(args.model)}")
     if args.merge is not None:
         shortcuts.append(f"outer.merge={json.dumps(args.merge)}")
+    if args.mode is not None:
+        shortcuts.append(f"simulate.mode={json.dumps(args.mode)}")
     return shortcuts
 
 
@@ -199,7 +201,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
         result = simulate(config, progress=on_progress)
     table = Table(
-        title=f"simulate: {result.learners} learners, H={result.inner_steps}, {result.rounds} rounds, merge={result.merge_rule}"
+        title=f"simulate ({result.mode}): {result.learners} learners, H={result.inner_steps}, "
+        f"{result.rounds} rounds, merge={result.merge_rule}"
     )
     table.add_column("run")
     table.add_column("held-out loss", justify="right")
@@ -213,6 +216,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         )
     Console().print(table)
     summary = {
+        "mode": result.mode,
+        "schedule": result.schedule,
         "learners": result.learners,
         "inner_steps": result.inner_steps,
         "rounds": result.rounds,
@@ -623,6 +628,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument("--model", help="model preset: tiny, small, 150m, 1b (model.preset)")
     simulate.add_argument("--merge", help="merge rule: mean, token, radial (outer.merge)")
+    simulate.add_argument(
+        "--mode", choices=("lockstep", "decoupled"), help="plain DiLoCo, or the swarm's schedule (simulate.mode)"
+    )
     simulate.add_argument("--json", type=Path, help="write the figures to this JSON file")
     simulate.set_defaults(handler=cmd_simulate)
 

@@ -29,6 +29,7 @@ RADIAL_NORMS = ("mean", "median")
 ON_RECEIVE = ("overwrite", "rebase", "mix")
 CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "fp4", "topk")
 TRANSPORTS = ("hivemind", "libp2p")
+SIMULATE_MODES = ("lockstep", "decoupled")
 
 
 def _check(cond: bool, name: str, message: str) -> None:
@@ -340,6 +341,21 @@ class SimulateConfig:
     """Evaluate both runs after every this many rounds."""
     baseline: bool = True
     """Also run synchronous data parallel on the same tokens and compute."""
+    mode: str = "lockstep"
+    """lockstep: plain DiLoCo, every delta merged every round; decoupled: the swarm's
+    schedule on a simulated clock (speeds, quorum, grace, staleness: p2pdiloco.decoupled)."""
+    speeds: str = "1"
+    """Decoupled: relative speed of each learner, comma separated, cycled ("1,1,0.5,0.5")."""
+    jitter: float = 0.0
+    """Decoupled: each step takes its learner's step time x uniform(1 - jitter, 1 + jitter)."""
+    step_time_s: float = 1.0
+    """Decoupled: simulated seconds of one inner step at speed 1."""
+    link_s: float = 0.0
+    """Decoupled: simulated seconds a delta, or a result, takes on the wire."""
+    sync_s: float = 0.0
+    """Decoupled: simulated seconds from a window's close to its result leaving."""
+    seed: int = 0
+    """Decoupled: seed of the schedule (start offsets, jitter)."""
 
     def __post_init__(self) -> None:
         _check(
@@ -358,6 +374,25 @@ class SimulateConfig:
             "simulate.eval_every_rounds",
             f"must be >= 1, got {self.eval_every_rounds}",
         )
+        _check(
+            self.mode in SIMULATE_MODES,
+            "simulate.mode",
+            f"must be one of {', '.join(SIMULATE_MODES)}, got {self.mode!r}",
+        )
+        try:
+            speeds = [float(s) for s in self.speeds.split(",") if s.strip()]
+        except ValueError:
+            speeds = []
+        _check(
+            bool(speeds) and all(0.0 < s < 1e6 for s in speeds),
+            "simulate.speeds",
+            f"must be positive numbers separated by commas, e.g. \"1,1,0.5\", got {self.speeds!r}",
+        )
+        _check(0.0 <= self.jitter < 1.0, "simulate.jitter", f"must be in [0, 1), got {self.jitter}")
+        _check(self.step_time_s > 0.0, "simulate.step_time_s", f"must be > 0, got {self.step_time_s}")
+        for name in ("link_s", "sync_s"):
+            value = getattr(self, name)
+            _check(value >= 0.0, f"simulate.{name}", f"must be >= 0, got {value}")
 
 
 CORRUPTIONS = ("", "nan", "garbage")

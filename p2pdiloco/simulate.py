@@ -58,6 +58,10 @@ class SimulationResult:
     sync: LossCurve | None
     diloco_bytes_per_learner: int
     sync_bytes_per_learner: int
+    mode: str = "lockstep"
+    schedule: dict | None = None
+    """Decoupled mode: rounds reached per fragment, deltas merged, merged stale, dropped,
+    simulated seconds (`decoupled.DecoupledRun`)."""
 
     @property
     def diloco_eval_loss(self) -> float:
@@ -263,9 +267,20 @@ def simulate(
     eval_set = heldout_batches(
         corpus, config.simulate.eval_batches, config.train.batch_size, config.model.seq_len
     )
-    diloco, tokens, diloco_bytes = run_diloco(
-        config, corpus, eval_set, channel=channel, progress=progress
-    )
+    schedule = None
+    if config.simulate.mode == "decoupled":
+        from p2pdiloco.decoupled import run_decoupled  # builds on this module
+
+        run = run_decoupled(config, corpus, eval_set, channel=channel, progress=progress)
+        diloco, tokens, diloco_bytes = run.curve, run.tokens, run.bytes_per_learner
+        schedule = {
+            "rounds": run.rounds, "merged": run.merged, "stale_merged": run.stale_merged,
+            "dropped": run.dropped, "sim_time_s": run.sim_time_s,
+        }  # fmt: skip
+    else:
+        diloco, tokens, diloco_bytes = run_diloco(
+            config, corpus, eval_set, channel=channel, progress=progress
+        )
     num_parameters = count_parameters(
         build_model(config.model.preset, max_seq_len=config.model.seq_len)
     )
@@ -284,4 +299,6 @@ def simulate(
         sync=sync,
         diloco_bytes_per_learner=diloco_bytes,
         sync_bytes_per_learner=sync_bytes,
+        mode=config.simulate.mode,
+        schedule=schedule,
     )
