@@ -4,8 +4,15 @@ Runs the in-process simulator (M learners, H inner steps, outer Nesterov) and th
 synchronous baseline (gradients of the same M micro-batches averaged every step) in one
 run on the embedded corpus, then the merge rules side by side and M = 1, 2, 4.
 
+`--mode decoupled` runs the swarm's schedule instead of lockstep DiLoCo
+(`p2pdiloco.decoupled`); `--heterogeneous` makes two of four learners half as fast, with
+K = 1 and the grace window. `--agreement` also runs a real swarm (`p2pdiloco join`
+processes on 127.0.0.1) and the decoupled simulator on its measured schedule, and reports
+how far apart their held-out losses end.
+
     python scripts/bench_quality.py --quick --json out/quality.json
     python scripts/bench_quality.py --json out/quality.json --plot docs/quality_loss.png
+    python scripts/bench_quality.py --quick --mode decoupled --heterogeneous --agreement
 
 The last line printed is a one-line summary. Full setting: see docs/benchmarks.md.
 """
@@ -14,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -43,6 +52,22 @@ FULL = [
 ]
 
 
+HETEROGENEOUS = ["simulate.speeds='1,1,0.5,0.5'", "sync.min_quorum=1"]
+"""Two learners at full speed, two at half; K = 1 with the grace window (Eq. 3)."""
+AGREEMENT = [
+    "model.preset='tiny'",
+    "model.seq_len=64",
+    "data.max_files=300",
+    "train.batch_size=4",
+    "train.warmup_steps=10",
+    "train.device='cpu'",
+    "sync.inner_steps=20",
+    "sync.min_quorum=3",
+]
+"""The agreement check: 3 real learners (tiny), 10 rounds, K = all."""
+AGREEMENT_LEARNERS, AGREEMENT_ROUNDS, AGREEMENT_EVAL_BATCHES = 3, 10, 8
+
+
 def make_channel(config: RunConfig, codec_name: str) -> DeltaChannel:
     """The path a delta takes: fp32 as is, or through a codec (with error feedback)."""
     if codec_name == "fp32":
@@ -58,6 +83,9 @@ def figures(result: SimulationResult) -> dict:
         "rounds": result.rounds,
         "merge": result.merge_rule,
         "tokens": result.tokens,
+        "tokens_per_param": result.tokens / result.num_parameters,
+        "mode": result.mode,
+        "schedule": result.schedule,
         "diloco_eval_loss": result.diloco_eval_loss,
         "comm_reduction": result.comm_reduction,
         "diloco_curve": {"tokens": result.diloco.tokens, "eval_loss": result.diloco.eval_loss},
@@ -101,6 +129,73 @@ def codec_sweep(config: RunConfig, corpus: Corpus, main_result: dict) -> dict:
             "comm_reduction": result.comm_reduction,
         }
     return out
+
+
+def real_swarm(sets: list[str], learners: int, rounds: int, eval_batches: int) -> dict:
+    """A bootstrap node and `learners` real peers on 127.0.0.1 until `rounds` rounds; the
+    held-out loss of learner 0's global model after the last round and each learner's
+    measured step time and steps."""
+    from p2pdiloco.launcher import Child
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    argv = [sys.executable, "-m", "p2pdiloco"]
+    set_args = sum((["--set", s] for s in sets), [])
+    boot = Child.spawn([*argv, "bootstrap", "--events", *set_args], "boot", env=env)
+    peers: list[Child] = []
+    try:
+        maddrs = boot.wait_ready(300)["maddrs"]
+        peers = [
+            Child.spawn(
+                [*argv, "join", "--events", "--threads", "1", "--max-rounds", str(rounds),
+                 "--data-shards", str(learners), "--data-rank", str(i), "--wait-peers", str(learners),
+                 "--eval-batches", str(eval_batches if i == 0 else 0), "--initial-peers", *maddrs, *set_args],
+                f"peer{i}", env=env,
+            )  # fmt: skip
+            for i in range(learners)
+        ]
+        for peer in peers:
+            peer.wait_event(lambda e: e.get("event") == "summary", 1800)
+        evals = [e for e in peers[0].of("eval") if e["rounds"][0] >= rounds]
+        summaries = [peer.first("summary") for peer in peers]
+        for peer in peers:
+            peer.stop(60)
+    finally:
+        boot.stop(10)
+    return {
+        "eval_loss": (evals or peers[0].of("eval"))[-1]["eval_loss"],
+        "step_s": [s["train_s"] / max(s["steps"], 1) for s in summaries],
+        "steps": [s["steps"] for s in summaries],
+        "latency_s": statistics.median([x for s in summaries for x in s["latencies_s"]] or [0.0]),
+    }
+
+
+def agreement(corpus: Corpus) -> dict:
+    """A real swarm and the decoupled simulator on the schedule it measured: how far apart
+    their held-out losses end (relative). The simulator gets the real learners' step times
+    (as speeds), their mean step count as its length, and the median send-to-result
+    latency as `sync_s`; the data shards, seeds, schedule of the learning rate and the
+    held-out batches are the same."""
+    total_steps = AGREEMENT_ROUNDS * 20
+    sets = [*AGREEMENT, f"train.total_steps={total_steps}"]
+    real = real_swarm(sets, AGREEMENT_LEARNERS, AGREEMENT_ROUNDS, AGREEMENT_EVAL_BATCHES)
+    fastest = min(real["step_s"])
+    speeds = ",".join(f"{fastest / s:.3f}" for s in real["step_s"])
+    config = load_config(None, [
+        *sets, "simulate.mode='decoupled'", f"simulate.learners={AGREEMENT_LEARNERS}",
+        f"simulate.rounds={round(statistics.mean(real['steps']) / 20)}", "simulate.baseline=false",
+        f"simulate.eval_batches={AGREEMENT_EVAL_BATCHES}", f"simulate.speeds='{speeds}'",
+        f"simulate.step_time_s={fastest}", f"simulate.sync_s={real['latency_s']}",
+    ])  # fmt: skip
+    simulated = simulate(config, corpus=corpus, channel=make_channel(config, config.compress.codec))
+    return {
+        "real_eval_loss": real["eval_loss"],
+        "simulated_eval_loss": simulated.diloco_eval_loss,
+        "relative_difference": abs(simulated.diloco_eval_loss - real["eval_loss"]) / real["eval_loss"],
+        "real_step_s": real["step_s"],
+        "real_steps": real["steps"],
+        "real_latency_s": real["latency_s"],
+        "simulated_schedule": simulated.schedule,
+    }
 
 
 def plot(main: dict, path: Path) -> None:
@@ -151,39 +246,54 @@ def main() -> int:
     parser.add_argument(
         "--codec-sweep", action="store_true", help="DiLoCo with every codec against one baseline"
     )
+    parser.add_argument("--mode", choices=("lockstep", "decoupled"), default="lockstep")
+    parser.add_argument(
+        "--heterogeneous", action="store_true", help="two learners at half speed, K = 1 (decoupled)"
+    )
+    parser.add_argument(
+        "--agreement", action="store_true", help="also a real swarm against the simulator (minutes)"
+    )
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], help="extra config override"
     )
     args = parser.parse_args()
+    if args.heterogeneous and args.mode != "decoupled":
+        parser.error("--heterogeneous needs --mode decoupled (lockstep has no speeds)")
 
     started = time.time()
     config = load_config(
         None,
-        [*(QUICK if args.quick else FULL), f"simulate.learners={args.learners}", *args.overrides],
-    )
+        [
+            *(QUICK if args.quick else FULL), f"simulate.learners={args.learners}",
+            f"simulate.mode='{args.mode}'", *(HETEROGENEOUS if args.heterogeneous else []), *args.overrides,
+        ],
+    )  # fmt: skip
     corpus = Corpus.from_config(config.data)
     channel = make_channel(config, args.codec)
     main_result = figures(simulate(config, corpus=corpus, channel=channel))
-    report = {**main_result, "codec": args.codec, "setting": "quick" if args.quick else "full"}
+    report = {
+        **main_result, "codec": args.codec, "setting": "quick" if args.quick else "full",
+        "heterogeneous": args.heterogeneous,
+    }  # fmt: skip
 
     if args.codec_sweep:
         report["codecs"] = codec_sweep(config, corpus, main_result)
     if not args.no_sweeps:
         # Merge rules side by side (the baseline does not depend on the rule).
-        report["merge_rules"] = {
+        report["rules"] = {
             main_result["merge"]: {
                 "diloco_eval_loss": main_result["diloco_eval_loss"],
                 "loss_ratio": main_result["loss_ratio"],
             }
         }
         for rule in ("mean", "token", "radial"):
-            if rule in report["merge_rules"]:
+            if rule in report["rules"]:
                 continue
             rule_config = replace(config, outer={"merge": rule}, simulate={"baseline": False})
             loss = simulate(
                 rule_config, corpus=corpus, channel=make_channel(rule_config, args.codec)
             ).diloco_eval_loss
-            report["merge_rules"][rule] = {
+            report["rules"][rule] = {
                 "diloco_eval_loss": loss,
                 "loss_ratio": loss / main_result["sync_eval_loss"],
             }
@@ -206,6 +316,8 @@ def main() -> int:
                 k: result[k] for k in ("diloco_eval_loss", "sync_eval_loss", "loss_ratio")
             }
 
+    if args.agreement:
+        report["agreement"] = agreement(corpus)
     report["wall_s"] = round(time.time() - started, 1)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -213,9 +325,11 @@ def main() -> int:
     if args.plot:
         plot(main_result, args.plot)
     print(
-        f"bench_quality {report['setting']}: M={report['learners']} H={report['inner_steps']} codec={args.codec} "
+        f"bench_quality {report['setting']} {args.mode}{' heterogeneous' if args.heterogeneous else ''}: "
+        f"M={report['learners']} H={report['inner_steps']} codec={args.codec} "
         f"diloco={report['diloco_eval_loss']:.4f} sync={report['sync_eval_loss']:.4f} "
         f"loss_ratio={report['loss_ratio']:.4f} comm_reduction={report['comm_reduction']:.0f}x wall={report['wall_s']}s"
+        + (f" agreement={report['agreement']['relative_difference']:.4f}" if args.agreement else "")
     )
     return 0
 
