@@ -419,6 +419,9 @@ def main() -> int:
                     "replicas_identical": dl["replicas_identical"],
                 }
                 out["rates"].append(row)
+                if args.json:  # after every rate: an interrupted run keeps what it measured
+                    args.json.parent.mkdir(parents=True, exist_ok=True)
+                    args.json.write_text(json.dumps(out, indent=2))
                 print(
                     f"{rate:g} Mbit/s: DDP {step_s:.2f} s/step, to target {ddp_time:.0f} s; p2pdiloco to "
                     f"target {dl_time if dl_time is None else round(dl_time)} s, speedup "
