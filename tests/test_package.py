@@ -14,6 +14,7 @@ PURE_MODULES = [
     "data",
     "train",
     "simulate",
+    "decoupled",
     "compress",
     "wire",
     "windows",

@@ -230,6 +230,7 @@ class _Writer:
 def test_the_hivemind_server_refuses_past_its_caps_without_running_the_handler() -> None:
     """The stream server alone, on in-memory streams: no daemon is started."""
     hivemind_transport = pytest.importorskip("p2pdiloco.transport.hivemind")
+    from p2pdiloco.transport import framing  # the framing both transports speak
 
     async def main() -> list[tuple[int, bytes]]:
         transport = hivemind_transport.HivemindTransport([], max_in_flight=2, max_per_caller=1)
@@ -247,9 +248,7 @@ def test_the_hivemind_server_refuses_past_its_caps_without_running_the_handler()
 
         def request(body: bytes) -> asyncio.StreamReader:
             reader = asyncio.StreamReader()
-            header = hivemind_transport._REQUEST_HEADER.pack(
-                hivemind_transport._REQUEST_MAGIC, len(body)
-            )
+            header = framing.REQUEST_HEADER.pack(framing.REQUEST_MAGIC, len(body))
             reader.feed_data(header + body)
             reader.feed_eof()
             return reader
@@ -267,10 +266,10 @@ def test_the_hivemind_server_refuses_past_its_caps_without_running_the_handler()
         gate.set()
         await asyncio.gather(*held)
         assert transport._in_flight["slow"].in_flight == 0
-        size = hivemind_transport._RESPONSE_HEADER.size
+        size = framing.RESPONSE_HEADER.size
         answers = []
         for writer in writers:
-            _, status, _ = hivemind_transport._RESPONSE_HEADER.unpack(bytes(writer.data[:size]))
+            _, status, _ = framing.RESPONSE_HEADER.unpack(bytes(writer.data[:size]))
             answers.append((status, bytes(writer.data[size:])))
         return answers
 
