@@ -12,7 +12,7 @@ event loop in its own thread, and this class bridges the asyncio side of p2pdilo
   their own. So records live in a one-hop DHT of our own (docs/transport.md): every
   server peer keeps a `RecordTable`; a record is stored on, and read from, the
   `REPLICAS` server peers closest to its key (XOR distance of hashes, Kademlia's metric)
-  among those this peer knows, and read from the `READ_FANOUT` closest of them; peers learn each other through the bootstrap peers and a
+  among those this peer knows, and read from the same; peers learn each other through the bootstrap peers and a
   periodic exchange of known peers (a peer named by another is probed before it counts). Every record is checked with the run's rules when a
   peer asks to store it and when one returns it, as hivemind's validators do.
 - **Client mode**: no listening socket; the peer dials out, serves calls over the
@@ -86,10 +86,11 @@ RECORDS_PEERS = "~records.peers"
 """The record store's own RPCs (a `~` name cannot collide with a run's)."""
 REPLICAS = 20
 """Server peers a record is stored on (Kademlia's k)."""
-READ_FANOUT = 3
-"""Closest replicas (besides this peer's own table) a `get` asks: every replica was sent
-every store, so a few answers cover a failed store or two; asking all 20 would cost each
-heartbeat read 20 streams (measured: a 4-peer test swarm trained at half speed)."""
+READ_FANOUT = REPLICAS
+"""Closest replicas (besides this peer's own table) a `get` asks. All of them: a store
+made before its peer knew the others reached only some replicas, and records are not
+republished, so reading fewer could miss one for good (asking 3 was not measurably
+cheaper in a 4-peer swarm)."""
 REFRESH_S = 5.0
 """Period of the known-peers exchange."""
 MAX_KNOWN = 1024
