@@ -203,6 +203,12 @@ class SyncConfig:
     """K: learners that must report before a round may close."""
     min_token_fraction: float = 0.0
     """Also require this fraction of the tokens expected from live learners (0 = off)."""
+    warm_steps: int = 0
+    """Warm start: a learner's first this many inner steps synchronise every
+    `warm_inner_steps` steps, all fragments together, close to synchronous training
+    (0 = off). Only a learner that starts the run from round 0 does it."""
+    warm_inner_steps: int = 1
+    """H during the warm start."""
     overlap_steps: int = 2
     """tau: inner steps of compute that overlap a synchronisation (paper Eq. 3)."""
     grace_gamma: float = 0.5
@@ -241,6 +247,17 @@ class SyncConfig:
             1 <= self.num_fragments <= self.inner_steps,
             "sync.num_fragments",
             f"must be in [1, sync.inner_steps={self.inner_steps}], got {self.num_fragments}",
+        )
+        _check(self.warm_steps >= 0, "sync.warm_steps", f"must be >= 0, got {self.warm_steps}")
+        _check(
+            1 <= self.warm_inner_steps <= self.inner_steps,
+            "sync.warm_inner_steps",
+            f"must be in [1, sync.inner_steps={self.inner_steps}], got {self.warm_inner_steps}",
+        )
+        _check(
+            self.warm_steps % self.warm_inner_steps == 0,
+            "sync.warm_steps",
+            f"must be a multiple of sync.warm_inner_steps={self.warm_inner_steps}, got {self.warm_steps}",
         )
         _check(self.min_quorum >= 1, "sync.min_quorum", f"must be >= 1, got {self.min_quorum}")
         _check(

@@ -30,7 +30,8 @@ from p2pdiloco.config import RunConfig
 from p2pdiloco.data import Corpus
 from p2pdiloco.fragments import fragments_due, partition_fragments
 from p2pdiloco.model import build_model
-from p2pdiloco.outer import OuterState, Params, merge, outer_step, token_weights
+from p2pdiloco.outer import OuterState, Params, merge, outer_step, tensor_norm, token_weights
+from p2pdiloco.screening import dot
 from p2pdiloco.simulate import (
     DeltaChannel,
     LossCurve,
@@ -97,6 +98,19 @@ class DecoupledRun:
     dropped: int
     """Deltas rejected (too stale) or lost with an expired window."""
     sim_time_s: float
+    steps: list[int] = field(default_factory=list)
+    """Inner steps each learner took."""
+    eval_times_s: list[float] = field(default_factory=list)
+    """Simulated time of each point of the loss curve."""
+    rho: list[float] = field(default_factory=list)
+    """Cosine between consecutive merged updates of a fragment, one per round after its
+    first (the rho of the outer-step rule in docs/operate.md)."""
+
+
+def cosine(a: Params, b: Params) -> float:
+    """Cosine between two updates over the tensors of both (0 when one is zero)."""
+    norms = tensor_norm(a) * tensor_norm(b)
+    return dot(a, b) / norms if norms > 0 else 0.0
 
 
 def learner_speeds(config: RunConfig) -> list[float]:
@@ -113,7 +127,9 @@ def run_decoupled(
     channel: DeltaChannel = fp32_channel,
     progress: Progress | None = None,
 ) -> DecoupledRun:
-    """Simulate the swarm's schedule until every learner took `rounds * H` inner steps."""
+    """Simulate the swarm's schedule until the learners took `M * rounds * H` inner steps
+    between them: the baseline's tokens. Nobody waits, so a fast learner takes more of
+    them than a slow one."""
     config = _schedule_config(config)
     sim, sync, outer = config.simulate, config.sync, config.outer
     device = resolve_device(config.train.device)
@@ -138,7 +154,12 @@ def run_decoupled(
     rounds = [0] * len(fragments)
     windows: dict[int, SimWindow] = {}
     outer_state = OuterState()
+    previous: dict[int, Params] = {}
+    """Per fragment, the last merged update (for rho)."""
+    rho: list[float] = []
     total_steps = sim.rounds * sync.inner_steps
+    budget, steps_taken = total_steps * len(learners), 0
+    eval_times: list[float] = [0.0]
     queue: list[tuple[float, int, str, tuple]] = []
     order = itertools.count()
 
@@ -223,6 +244,9 @@ def run_decoupled(
             outer.merge, [item.delta for _, item in kept], weights,
             norm=outer.radial_norm, plain_mean_names=embedding_names,
         )  # fmt: skip
+        if fragment in previous:
+            rho.append(cosine(update, previous[fragment]))
+        previous[fragment] = {n: t.clone() for n, t in update.items()}
         outer_step(
             global_params, update, outer_state, lr=outer.lr, momentum=outer.momentum,
             nesterov=outer.nesterov, delayed_every=outer.delayed_nesterov_every,
@@ -235,6 +259,7 @@ def run_decoupled(
         if fragment == 0 and rounds[0] % sim.eval_every_rounds == 0:  # as a learner does
             load_params(eval_model, global_params)
             curve.record(tokens_total, evaluate(eval_model, eval_set, device))
+            eval_times.append(now)
             log.info("decoupled t=%.1f tokens=%d rounds=%s eval_loss=%.4f", now, tokens_total, rounds, curve.eval_loss[-1])
             fresh = False
         else:
@@ -254,6 +279,9 @@ def run_decoupled(
         elif kind == "step":
             i = payload[0]
             learner = learners[i]
+            if steps_taken >= budget:
+                continue
+            steps_taken += 1
             for fragment in sorted(learner.received):
                 take_over(learner, fragment)
             learner.received.clear()
@@ -264,7 +292,9 @@ def run_decoupled(
             for fragment in range(len(fragments)):
                 learner.c_tokens[fragment] += tokens
                 learner.c_steps[fragment] += 1
-            for fragment in fragments_due(learner.step, sync.inner_steps, sync.num_fragments):
+            for fragment in fragments_due(
+                learner.step, sync.inner_steps, sync.num_fragments, sync.warm_steps, sync.warm_inner_steps
+            ):
                 if fragment in learner.in_flight or learner.c_steps[fragment] == 0:
                     continue  # the previous one is still on its way
                 base_round, base_params = learner.bases[fragment]
@@ -277,15 +307,17 @@ def run_decoupled(
                     base_round, base_round, delta, learner.c_tokens[fragment], learner.c_steps[fragment]
                 )
                 schedule(now + sim.link_s, "arrive", i, fragment)
-            if learner.step < total_steps:
+            if steps_taken < budget:
                 jitter = 1.0 + sim.jitter * rng.uniform(-1.0, 1.0)
                 schedule(now + learner.step_time_s * jitter, "step", i)
             if progress:
-                progress("decoupled", min(learner.step for learner in learners), total_steps)
+                progress("decoupled", steps_taken, budget)
     if fresh:  # the final point is the model after the last merge
         load_params(eval_model, global_params)
         curve.record(tokens_total, evaluate(eval_model, eval_set, device))
+        eval_times.append(now)
     return DecoupledRun(
         curve=curve, tokens=tokens_total, bytes_per_learner=bytes_sent // len(learners),
         rounds=list(rounds), merged=merged, stale_merged=stale_merged, dropped=dropped, sim_time_s=now,
+        steps=[learner.step for learner in learners], eval_times_s=eval_times, rho=rho,
     )  # fmt: skip

@@ -36,14 +36,20 @@ def fragment_offset(fragment: int, inner_steps: int, num_fragments: int) -> int:
     return fragment * inner_steps // num_fragments
 
 
-def fragments_due(step: int, inner_steps: int, num_fragments: int) -> list[int]:
+def fragments_due(
+    step: int, inner_steps: int, num_fragments: int, warm_steps: int = 0, warm_inner_steps: int = 1
+) -> list[int]:
     """Fragments whose synchronisation falls at inner step `step` (1-based, after the step).
 
-    Fragment f is due at steps H + offset_f, 2H + offset_f, ...
+    During a warm start (steps 1..`warm_steps`) every fragment is due every
+    `warm_inner_steps` steps; after it, fragment f is due at steps H + offset_f,
+    2H + offset_f, ... counted from the end of the warm start.
     """
+    if step <= warm_steps:
+        return list(range(num_fragments)) if step % warm_inner_steps == 0 else []
     due = []
     for fragment in range(num_fragments):
-        shifted = step - fragment_offset(fragment, inner_steps, num_fragments)
+        shifted = step - warm_steps - fragment_offset(fragment, inner_steps, num_fragments)
         if shifted >= inner_steps and shifted % inner_steps == 0:
             due.append(fragment)
     return due

@@ -168,6 +168,8 @@ class Learner:
         through `rounds_reached`, by the swarm's records), or `max_steps` inner steps."""
         rounds_reached = rounds_reached or (lambda: list(self.state.rounds))
         sync = self.config.sync
+        # the warm start is for the run's first rounds: a learner that joins later skips it
+        warm_steps = sync.warm_steps if max(self.state.rounds, default=0) == 0 else 0
         self.progress.status = "training"
         if self.eval_set:
             self.progress.eval_loss = self.evaluate_global()
@@ -192,7 +194,9 @@ class Learner:
             # fragments that are due now
             self.send_encoded(block=False)
             self.start_encoding()
-            for fragment in fragments_due(self.progress.step, sync.inner_steps, sync.num_fragments):
+            for fragment in fragments_due(
+                self.progress.step, sync.inner_steps, sync.num_fragments, warm_steps, sync.warm_inner_steps
+            ):
                 self.stage(fragment)
 
             # results that arrived

@@ -135,6 +135,17 @@ def _schedule_config(config: RunConfig) -> RunConfig:
     )
 
 
+def round_lengths(config: RunConfig) -> list[int]:
+    """Inner steps of each lockstep round: the warm start's short rounds, then H steps each,
+    as `fragments_due` schedules them, within `simulate.rounds * H` steps in all."""
+    sync = config.sync
+    total = config.simulate.rounds * sync.inner_steps
+    warm = min(sync.warm_steps, total) // sync.warm_inner_steps
+    return [sync.warm_inner_steps] * warm + [sync.inner_steps] * (
+        (total - warm * sync.warm_inner_steps) // sync.inner_steps
+    )
+
+
 def run_diloco(
     config: RunConfig,
     corpus: Corpus,
@@ -146,7 +157,7 @@ def run_diloco(
     """Simulated DiLoCo. Returns (loss curve, tokens processed, bytes sent per learner)."""
     config = _schedule_config(config)
     device = resolve_device(config.train.device)
-    num_learners, steps = config.simulate.learners, config.sync.inner_steps
+    num_learners = config.simulate.learners
     base = build_model(
         config.model.preset, seed=config.train.seed, max_seq_len=config.model.seq_len
     )
@@ -160,7 +171,8 @@ def run_diloco(
     embedding_names = frozenset(n for n in global_params if n.startswith("embed."))
     curve, tokens_total, bytes_sent = LossCurve(), 0, 0
     curve.record(0, evaluate(eval_model, eval_set, device))
-    for round_index in range(config.simulate.rounds):
+    lengths = round_lengths(config)
+    for round_index, steps in enumerate(lengths):
         deltas, c_tokens, c_steps = [], [], []
         for rank, trainer in enumerate(trainers):
             # a result arrived: overwrite the replica with the global parameters
@@ -193,9 +205,7 @@ def run_diloco(
             nesterov=config.outer.nesterov,
             delayed_every=config.outer.delayed_nesterov_every,
         )
-        if (
-            round_index + 1
-        ) % config.simulate.eval_every_rounds == 0 or round_index + 1 == config.simulate.rounds:
+        if (round_index + 1) % config.simulate.eval_every_rounds == 0 or round_index + 1 == len(lengths):
             load_params(eval_model, global_params)
             curve.record(tokens_total, evaluate(eval_model, eval_set, device))
             log.info(
@@ -205,7 +215,7 @@ def run_diloco(
                 curve.eval_loss[-1],
             )
         if progress:
-            progress("diloco", round_index + 1, config.simulate.rounds)
+            progress("diloco", round_index + 1, len(lengths))
     return curve, tokens_total, bytes_sent // num_learners
 
 
@@ -276,6 +286,8 @@ def simulate(
         schedule = {
             "rounds": run.rounds, "merged": run.merged, "stale_merged": run.stale_merged,
             "dropped": run.dropped, "sim_time_s": run.sim_time_s,
+            "rho_mean": sum(run.rho) / len(run.rho) if run.rho else None,
+            "eval_times_s": run.eval_times_s, "steps": run.steps,
         }  # fmt: skip
     else:
         diloco, tokens, diloco_bytes = run_diloco(

@@ -66,3 +66,19 @@ def test_a_lazy_window_holds_a_quarter_of_an_eager_one() -> None:
     assert eager["held_exact_bytes"] == 3 * 4 * eager["parameters"]
     assert lazy["held_exact_bytes"] < 0.3 * eager["held_exact_bytes"]
     assert lazy["contributions"] == 3
+
+
+study_quality = _load("study_quality")
+
+
+def test_a_study_variant_reaches_its_target_at_its_first_evaluation_below_it() -> None:
+    assert study_quality.time_to_target([0.0, 5.0, 9.0], [3.0, 2.0, 1.0], 2.0) == 5.0
+    assert study_quality.time_to_target([0.0, 5.0], [3.0, 2.5], 2.0) is None
+    # every H variant keeps the setting's inner steps, so all compare at equal tokens
+    steps = dict(s.split("=") for s in study_quality.SETTINGS["study"] if "=" in s)
+    total = int(steps["sync.inner_steps"]) * int(steps["simulate.rounds"])
+    for name, overrides in study_quality.VARIANTS.items():
+        fields = dict(s.split("=") for s in overrides)
+        h = int(fields.get("sync.inner_steps", steps["sync.inner_steps"]))
+        rounds = int(fields.get("simulate.rounds", steps["simulate.rounds"]))
+        assert h * rounds == total, name

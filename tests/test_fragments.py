@@ -59,6 +59,15 @@ def test_fragments_are_staggered_by_h_over_f() -> None:
     assert all(len(v) == 1 for v in due.values())
 
 
+def test_a_warm_start_syncs_every_fragment_often_then_resumes_the_staggered_schedule() -> None:
+    due = {s: fragments_due(s, 12, 2, warm_steps=6, warm_inner_steps=2) for s in range(1, 32)}
+    assert {s: f for s, f in due.items() if f} == {
+        2: [0, 1], 4: [0, 1], 6: [0, 1],  # warm: all fragments every 2 steps
+        18: [0], 24: [1], 30: [0],  # then H = 12, staggered by H / F, counted from step 6
+    }  # fmt: skip
+    assert [s for s in range(1, 20) if fragments_due(s, 5, 1, 0, 1)] == [5, 10, 15]
+
+
 def test_a_fragment_too_big_for_one_frame_names_the_fragments_needed() -> None:
     from p2pdiloco.fragments import frame_problem
 

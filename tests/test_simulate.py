@@ -50,3 +50,16 @@ def test_codec_channel_sends_fewer_bytes_and_still_trains(tiny_config, tiny_corp
     int8 = simulate(config, corpus=tiny_corpus, channel=codec_channel(config, "int8"))
     assert int8.diloco_bytes_per_learner < 0.3 * fp32.diloco_bytes_per_learner
     assert int8.diloco_eval_loss == pytest.approx(fp32.diloco_eval_loss, rel=0.02)
+
+
+def test_a_warm_start_adds_short_rounds_and_keeps_the_total_steps(tiny_config, tiny_corpus) -> None:
+    from p2pdiloco.simulate import round_lengths
+
+    config = replace(tiny_config, sync={"warm_steps": 4, "warm_inner_steps": 2})
+    # 30 steps in all: 2 warm rounds of 2, then as many rounds of H = 10 as fit in 26
+    assert round_lengths(config) == [2, 2, 10, 10]
+    assert round_lengths(tiny_config) == [10, 10, 10]
+    warm = simulate(replace(config, simulate={"baseline": False}), corpus=tiny_corpus)
+    assert warm.tokens == 2 * 24 * 4 * 64  # 2 learners x 24 steps x batch 4 x 64 tokens
+    assert warm.diloco_bytes_per_learner == 4 * count_parameters(build_model("tiny")) * 4
+    assert len(warm.diloco.eval_loss) == 1 + 4
