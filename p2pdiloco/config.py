@@ -141,13 +141,15 @@ class TrainConfig:
 class OuterConfig:
     """The outer optimizer and the merge rule applied to learners' deltas."""
 
-    lr: float = 0.7
-    """Outer learning rate (DiLoCo default 0.7)."""
-    momentum: float = 0.9
-    """Outer Nesterov momentum (DiLoCo default 0.9)."""
+    lr: float = 1.0
+    """Outer learning rate. DiLoCo used 0.7 with momentum 0.9, tuned for thousands of
+    outer steps; our quality study (docs/benchmarks.md) finds lr 1 without momentum best
+    for runs of tens to hundreds of rounds (docs/operate.md has the rule)."""
+    momentum: float = 0.0
+    """Outer Nesterov momentum (0 = none; DiLoCo used 0.9)."""
     nesterov: bool = True
     """Nesterov momentum (True) or heavy-ball (False)."""
-    merge: str = "token"
+    merge: str = "radial"
     """Merge rule: mean, token (token-weighted mean), radial (radial-directional) or trimmed
     (coordinate-wise trimmed mean, robust to a minority of outliers per coordinate)."""
     trim_fraction: float = 0.2
@@ -358,6 +360,9 @@ class SimulateConfig:
     """Evaluate both runs after every this many rounds."""
     baseline: bool = True
     """Also run synchronous data parallel on the same tokens and compute."""
+    baseline_lr: float = 0.0
+    """The baseline's learning rate (0 = train.lr). Its batch is M learners' batches, so
+    its best lr is higher than a learner's: give each run the lr tuned for its batch."""
     mode: str = "lockstep"
     """lockstep: plain DiLoCo, every delta merged every round; decoupled: the swarm's
     schedule on a simulated clock (speeds, quorum, grace, staleness: p2pdiloco.decoupled)."""
@@ -381,6 +386,11 @@ class SimulateConfig:
             f"must be in [1, 256], got {self.learners}",
         )
         _check(self.rounds >= 1, "simulate.rounds", f"must be >= 1, got {self.rounds}")
+        _check(
+            0.0 <= self.baseline_lr <= 1.0,
+            "simulate.baseline_lr",
+            f"must be in [0, 1] (0 = train.lr), got {self.baseline_lr}",
+        )
         _check(
             self.eval_batches >= 1,
             "simulate.eval_batches",

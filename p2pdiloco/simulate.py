@@ -234,11 +234,10 @@ def run_sync_baseline(
         config.model.preset, seed=config.train.seed, max_seq_len=config.model.seq_len
     )
     # Averaging M workers' gradients == accumulating their M micro-batches in one replica.
-    trainer = InnerTrainer(
-        model,
-        replace(config, train={"grad_accum": config.train.grad_accum * num_learners}).train,
-        device,
-    )
+    train = {"grad_accum": config.train.grad_accum * num_learners}
+    if config.simulate.baseline_lr:
+        train["lr"] = config.simulate.baseline_lr
+    trainer = InnerTrainer(model, replace(config, train=train).train, device)
     streams = learner_streams(config, corpus, num_learners)
 
     def round_robin():

@@ -73,9 +73,10 @@ def _variants() -> dict[str, list[str]]:
         "overwrite_jitter": [*best, "simulate.jitter=0.3"],
     }
     for rule in ("mean", "token", "radial"):
-        for quorum in (1, 4):
+        for quorum in (1, 4):  # K = 1 with the grace window, or K = all
             out[f"het_{rule}_k{quorum}"] = [
-                *best, *HETEROGENEOUS, f"outer.merge='{rule}'", f"sync.min_quorum={quorum}"
+                "outer.lr=1.0", "outer.momentum=0", *HETEROGENEOUS, f"outer.merge='{rule}'",
+                f"sync.min_quorum={quorum}",
             ]  # fmt: skip
     return out
 

@@ -33,6 +33,13 @@ def test_a_schedule_is_reproduced_from_its_seeds_and_slow_learners_change_it(tin
     # K = 1 with a learner at half speed: the fast one closes rounds alone, so the run
     # takes more rounds than lockstep's, and the model still learns
     assert one.schedule["rounds"][0] > config.simulate.rounds
+    # nobody waits: the two share the baseline's steps, the fast one taking more of them
+    fast, slow = one.schedule["steps"]
+    assert fast + slow == 2 * config.simulate.rounds * config.sync.inner_steps and fast > slow
+    assert one.tokens == (fast + slow) * 4 * 64
+    times = one.schedule["eval_times_s"]
+    assert len(times) == len(one.diloco.eval_loss) and times == sorted(times)
+    assert all(-1.0 <= rho <= 1.0 for rho in [one.schedule["rho_mean"]])
     assert one.diloco_eval_loss < one.diloco.eval_loss[0] - 0.5
     lockstep = simulate(replace(config, simulate={"mode": "lockstep"}), corpus=tiny_corpus)
     assert one.diloco_eval_loss != lockstep.diloco_eval_loss

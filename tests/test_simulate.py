@@ -63,3 +63,16 @@ def test_a_warm_start_adds_short_rounds_and_keeps_the_total_steps(tiny_config, t
     assert warm.tokens == 2 * 24 * 4 * 64  # 2 learners x 24 steps x batch 4 x 64 tokens
     assert warm.diloco_bytes_per_learner == 4 * count_parameters(build_model("tiny")) * 4
     assert len(warm.diloco.eval_loss) == 1 + 4
+
+
+def test_the_baseline_takes_its_own_learning_rate_when_given_one(tiny_config, tiny_corpus) -> None:
+    from p2pdiloco.data import heldout_batches
+    from p2pdiloco.simulate import run_sync_baseline
+
+    config = replace(tiny_config, simulate={"rounds": 1})
+    eval_set = heldout_batches(tiny_corpus, 2, 4, 64)
+    plain = run_sync_baseline(config, tiny_corpus, eval_set)[0].eval_loss
+    same = replace(config, simulate={"baseline_lr": config.train.lr})
+    assert run_sync_baseline(same, tiny_corpus, eval_set)[0].eval_loss == plain
+    other = replace(config, simulate={"baseline_lr": 3 * config.train.lr})
+    assert run_sync_baseline(other, tiny_corpus, eval_set)[0].eval_loss != plain

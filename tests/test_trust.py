@@ -117,9 +117,7 @@ def test_the_rules_accept_what_honest_peers_write() -> None:
     assert RULES.check(rounds_key(RUN, 0), record_subkey(3, PEER.peer_id), seal_record(PEER, RUN, record), NOW + 3600, NOW) is None
 
 
-@pytest.mark.parametrize(
-    "key, subkey, value, expiration, reason",
-    [
+FORGED = [
         ("p2pdiloco/trust-test/junk", "x", b"v", NOW + 1, "not a key of this run"),
         (members_key(RUN), None, beat(), NOW + 1, "dictionary entry"),  # a plain value
         (members_key(RUN), PEER.peer_id, beat(), NOW + HEARTBEAT_MAX_TTL_S + 10, "too far ahead"),
@@ -133,7 +131,13 @@ def test_the_rules_accept_what_honest_peers_write() -> None:
         (rounds_key(RUN, 0), record_subkey(4, PEER.peer_id), seal_record(PEER, RUN, round_record()), NOW + 1, "subkey"),
         (rounds_key(RUN, 0), record_subkey(3, PEER.peer_id), seal_record(PEER, RUN, round_record()), NOW + 1e6, "too far ahead"),
         (rounds_key(RUN, 5), record_subkey(3, PEER.peer_id), seal_record(PEER, RUN, round_record(fragment=5)), NOW + 1, "not a key"),
-    ],
+]
+"""(key, subkey, value, expiration, the refusal's words): the identities are random, so
+the test ids are the case numbers (the same in every pytest-xdist worker)."""
+
+
+@pytest.mark.parametrize(
+    "key, subkey, value, expiration, reason", FORGED, ids=[f"case{i}" for i in range(len(FORGED))]
 )
 def test_the_rules_refuse_forged_malformed_and_over_long_lived_values(key, subkey, value, expiration, reason) -> None:
     refusal = RULES.check(key, subkey, value, expiration, NOW)
