@@ -35,12 +35,14 @@ QUICK = [
     "model.preset='tiny'",
     "model.seq_len=64",
     "data.max_files=300",
-    "train.batch_size=4",
-    "train.warmup_steps=10",
-    "sync.inner_steps=20",
-    "simulate.rounds=3",
+    "train.batch_size=16",
+    "train.warmup_steps=4",
+    "sync.inner_steps=5",
+    "simulate.rounds=4",
     "simulate.eval_batches=4",
 ]
+"""Quick setting (~1 min): 1024 tokens a learner step (the quality rule's batch, scaled
+down), 20 steps a learner."""
 FULL = [
     "model.preset='tiny'",
     "model.seq_len=128",

@@ -26,8 +26,8 @@ from pathlib import Path
 
 SETTINGS = {
     "quick": [
-        "model.preset='tiny'", "model.seq_len=64", "data.max_files=300", "train.batch_size=4",
-        "train.warmup_steps=10", "sync.inner_steps=20", "simulate.rounds=3", "simulate.eval_batches=4",
+        "model.preset='tiny'", "model.seq_len=64", "data.max_files=300", "train.batch_size=16",
+        "train.warmup_steps=4", "sync.inner_steps=5", "simulate.rounds=4", "simulate.eval_batches=4",
     ],
     "study": [
         "model.preset='tiny'", "model.seq_len=64", "train.batch_size=8", "train.warmup_steps=25",
@@ -71,6 +71,13 @@ def _variants() -> dict[str, list[str]]:
         "h_100": [*best, "sync.inner_steps=100", "simulate.rounds=5"],
         "rebase": [*best, "sync.on_receive='rebase'", "simulate.jitter=0.3"],
         "overwrite_jitter": [*best, "simulate.jitter=0.3"],
+        # results that take 3 steps to come back: the steps taken meanwhile are dropped
+        # (overwrite) or kept on top of the result (rebase)
+        "latency_overwrite": ["outer.lr=1.0", "outer.momentum=0", "simulate.sync_s=3", "simulate.jitter=0.3"],
+        "latency_rebase": [
+            "outer.lr=1.0", "outer.momentum=0", "simulate.sync_s=3", "simulate.jitter=0.3",
+            "sync.on_receive='rebase'",
+        ],
     }
     for rule in ("mean", "token", "radial"):
         for quorum in (1, 4):  # K = 1 with the grace window, or K = all
