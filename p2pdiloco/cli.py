@@ -196,7 +196,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
         def on_progress(phase: str, done: int, total: int) -> None:
             if phase not in tasks:
-                tasks[phase] = bar.add_task(f"{phase} rounds", total=total)
+                label = phase if phase == "decoupled steps" else f"{phase} rounds"
+                tasks[phase] = bar.add_task(label, total=total)
             bar.update(tasks[phase], completed=done)
 
         result = simulate(config, progress=on_progress)

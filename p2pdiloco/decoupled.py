@@ -311,7 +311,7 @@ def run_decoupled(
                 jitter = 1.0 + sim.jitter * rng.uniform(-1.0, 1.0)
                 schedule(now + learner.step_time_s * jitter, "step", i)
             if progress:
-                progress("decoupled", steps_taken, budget)
+                progress("decoupled steps", steps_taken, budget)
     if fresh:  # the final point is the model after the last merge
         load_params(eval_model, global_params)
         curve.record(tokens_total, evaluate(eval_model, eval_set, device))
