@@ -104,7 +104,7 @@ def _init_worker(threads: int) -> None:
 
 def run_one(setting: list[str], overrides: list[str], baseline: bool) -> dict:
     """One simulation in this process: the decoupled DiLoCo run, or the baseline alone."""
-    from p2pdiloco.config import load_config
+    from p2pdiloco.config import load_config, replace
     from p2pdiloco.data import Corpus, heldout_batches
     from p2pdiloco.simulate import codec_channel, run_sync_baseline, simulate
 
@@ -118,7 +118,7 @@ def run_one(setting: list[str], overrides: list[str], baseline: bool) -> dict:
         curve, tokens, _ = run_sync_baseline(config, corpus, eval_set)
         return {"eval_loss": curve.eval_loss[-1], "tokens": tokens, "wall_s": time.time() - started,
                 "curve": {"tokens": curve.tokens, "eval_loss": curve.eval_loss}}  # fmt: skip
-    config = replace_baseline_off(config)
+    config = replace(config, simulate={"baseline": False})
     result = simulate(config, corpus=corpus, channel=codec_channel(config, config.compress.codec))
     return {
         "eval_loss": result.diloco_eval_loss, "tokens": result.tokens,
@@ -126,12 +126,6 @@ def run_one(setting: list[str], overrides: list[str], baseline: bool) -> dict:
         "wall_s": time.time() - started,
         "curve": {"tokens": result.diloco.tokens, "eval_loss": result.diloco.eval_loss},
     }  # fmt: skip
-
-
-def replace_baseline_off(config):
-    from p2pdiloco.config import replace
-
-    return replace(config, simulate={"baseline": False})
 
 
 def main() -> int:
