@@ -24,6 +24,9 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_quality import FULL  # noqa: E402  (the full setting is bench_quality's)
+
 SETTINGS = {
     "quick": [
         "model.preset='tiny'", "model.seq_len=64", "data.max_files=300", "train.batch_size=16",
@@ -33,6 +36,7 @@ SETTINGS = {
         "model.preset='tiny'", "model.seq_len=64", "train.batch_size=8", "train.warmup_steps=25",
         "sync.inner_steps=25", "simulate.rounds=20", "simulate.eval_batches=8",
     ],
+    "full": FULL,
     "study_b32": [
         "model.preset='tiny'", "model.seq_len=64", "train.batch_size=32", "train.warmup_steps=6",
         "sync.inner_steps=10", "simulate.rounds=12", "simulate.eval_batches=2",
@@ -40,7 +44,7 @@ SETTINGS = {
 }  # fmt: skip
 """The study setting: tiny, seq 64, batch 8, 500 inner steps a learner (2M tokens, ~5 min
 a variant on one core); study_b32 the same tokens in batches four times larger (120
-steps a learner, H = 10); quick is bench_quality's quick setting."""
+steps a learner, H = 10); quick and full are bench_quality's settings."""
 
 HETEROGENEOUS = ["simulate.speeds='1,1,0.5,0.5'"]
 BASELINES = {"sync": [], "sync_lr_x0.5": ["train.lr=0.0015"], "sync_lr_x2": ["train.lr=0.006"]}
@@ -89,6 +93,32 @@ def _variants() -> dict[str, list[str]]:
 
 
 VARIANTS = _variants()
+
+SETTING_VARIANTS = {
+    "full": {
+        # H = 13 with int4 deltas: the same >= 100x fewer bytes as H = 26 with int8
+        "h13_int4": ["sync.inner_steps=13", "simulate.rounds=40", "compress.codec='int4'"],
+        "h13_int4_inner_lr_x0.67": [
+            "sync.inner_steps=13", "simulate.rounds=40", "compress.codec='int4'", "train.lr=0.002",
+        ],
+        "inner_lr_x0.67": ["train.lr=0.002"],
+    },
+}  # fmt: skip
+"""Variants that only make sense in one setting (their H x rounds is that setting's)."""
+
+
+def _total_steps(overrides: list[str], setting: list[str]) -> int:
+    """H x rounds of a variant on a setting (the variant's values win)."""
+    fields = dict(s.split("=", 1) for s in [*setting, *overrides] if "=" in s)
+    return int(fields["sync.inner_steps"]) * int(fields["simulate.rounds"])
+
+
+def variants_for(setting: str) -> dict[str, list[str]]:
+    """The variants a setting can run: its own, and the shared ones that keep its H x
+    rounds (the shared H variants are written for the study setting's 500 steps)."""
+    total = _total_steps([], SETTINGS[setting])
+    shared = {n: o for n, o in VARIANTS.items() if _total_steps(o, SETTINGS[setting]) == total}
+    return {**shared, **SETTING_VARIANTS.get(setting, {})}
 
 
 def time_to_target(times: list[float], losses: list[float], target: float) -> float | None:
@@ -141,10 +171,11 @@ def main() -> int:
         "--set", dest="overrides", action="append", default=[], help="override for every run"
     )
     args = parser.parse_args()
-    names = args.only or list(VARIANTS)
-    unknown = [n for n in names if n not in VARIANTS]
+    variants = variants_for(args.setting)
+    names = args.only or list(variants)
+    unknown = [n for n in names if n not in variants]
     if unknown:
-        parser.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+        parser.error(f"unknown variants {unknown}; known: {', '.join(variants)}")
     setting = [*SETTINGS[args.setting], *args.overrides]
     report = json.loads(args.json.read_text()) if args.json and args.json.exists() else {}
     if report.get("setting_overrides") != setting:
@@ -152,7 +183,7 @@ def main() -> int:
     report.setdefault("baselines", {})
     threads = max(1, (os.cpu_count() or 1) // max(args.jobs, 1))
     tasks = {n: (BASELINES[n], True) for n in args.baselines if n not in report["baselines"]}
-    tasks.update({n: (VARIANTS[n], False) for n in names})
+    tasks.update({n: (variants[n], False) for n in names})
 
     def save() -> None:
         if args.json:
@@ -171,7 +202,7 @@ def main() -> int:
             if name in BASELINES:
                 report["baselines"][name] = {"overrides": BASELINES[name], **out}
             else:
-                report["variants"][name] = {"overrides": VARIANTS[name], **out}
+                report["variants"][name] = {"overrides": variants[name], **out}
             print(f"{name}: eval_loss={out['eval_loss']:.4f} ({out['wall_s']:.0f}s)", flush=True)
             save()
     reference = min(report["baselines"], key=lambda n: report["baselines"][n]["eval_loss"])

@@ -75,10 +75,13 @@ def test_a_study_variant_reaches_its_target_at_its_first_evaluation_below_it() -
     assert study_quality.time_to_target([0.0, 5.0, 9.0], [3.0, 2.0, 1.0], 2.0) == 5.0
     assert study_quality.time_to_target([0.0, 5.0], [3.0, 2.5], 2.0) is None
     # every H variant keeps the setting's inner steps, so all compare at equal tokens
-    steps = dict(s.split("=") for s in study_quality.SETTINGS["study"] if "=" in s)
-    total = int(steps["sync.inner_steps"]) * int(steps["simulate.rounds"])
-    for name, overrides in study_quality.VARIANTS.items():
-        fields = dict(s.split("=") for s in overrides)
-        h = int(fields.get("sync.inner_steps", steps["sync.inner_steps"]))
-        rounds = int(fields.get("simulate.rounds", steps["simulate.rounds"]))
-        assert h * rounds == total, name
+    assert "h_10" in study_quality.variants_for("study")
+    assert "h13_int4" in study_quality.variants_for("full")
+    for setting in study_quality.SETTINGS:
+        steps = dict(s.split("=") for s in study_quality.SETTINGS[setting] if "=" in s)
+        total = int(steps["sync.inner_steps"]) * int(steps["simulate.rounds"])
+        for name, overrides in study_quality.variants_for(setting).items():
+            fields = dict(s.split("=") for s in overrides)
+            h = int(fields.get("sync.inner_steps", steps["sync.inner_steps"]))
+            rounds = int(fields.get("simulate.rounds", steps["simulate.rounds"]))
+            assert h * rounds == total, (setting, name)
