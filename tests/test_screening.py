@@ -33,6 +33,7 @@ from p2pdiloco.screening import (
     clip_threshold,
     dot,
     history_of,
+    loo_cosines,
     merge_screened,
     screen,
     trimmed_mean,
@@ -373,6 +374,34 @@ def test_dot_is_symmetric_and_close_to_float64() -> None:
     assert dot(a, b) == dot(b, a)
     exact = sum(float(a[n].double() @ b[n].double()) for n in a)
     assert dot(a, b) == pytest.approx(exact, rel=1e-12)
+
+
+def test_leave_one_out_cosines_match_the_pairwise_definition() -> None:
+    generator = torch.Generator().manual_seed(11)
+    deltas = [
+        {"x": torch.randn(70_001, generator=generator), "y": torch.randn(5, generator=generator)}
+        for _ in range(5)
+    ]
+    norms = [tensor_norm(d) for d in deltas]
+    flat = [torch.cat([d["x"], d["y"]]).double() for d in deltas]
+    units = [f / f.norm() for f in flat]
+    got = loo_cosines(deltas, norms, range(5))
+    for i in range(5):
+        others = sum(units[j] for j in range(5) if j != i)
+        expected = float(units[i] @ others / others.norm())
+        assert got[i] == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    # the order of summation is the caller's: another order, the same values to rounding
+    assert loo_cosines(deltas, norms, [4, 2, 0, 1, 3]) == pytest.approx(got, rel=1e-12)
+
+
+def test_leave_one_out_is_undefined_where_the_others_cancel_out() -> None:
+    generator = torch.Generator().manual_seed(12)
+    a = {"x": torch.randn(1000, generator=generator)}
+    b = {"x": -a["x"]}
+    c = {"x": torch.randn(1000, generator=generator)}
+    deltas = [a, b, c]
+    got = loo_cosines(deltas, [tensor_norm(d) for d in deltas], range(3))
+    assert got[2] is None and got[0] is not None and got[1] is not None
 
 
 # --- trimmed mean --------------------------------------------------------------------------
