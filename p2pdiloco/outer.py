@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -208,16 +208,26 @@ def merge_weighted(
     """
     if not deltas:
         raise ValueError("cannot merge zero deltas")
-    merged: Params = {}
-    for name in deltas[0]:
-        acc: torch.Tensor | None = None
-        for delta, weight in zip(deltas, weights, strict=True):
-            tensor = delta[name].float()  # read once: a lazy delta decodes on each access
-            if acc is None:
-                acc = torch.zeros_like(tensor)
-            _add_scaled_(acc, tensor, float(weight))
-        merged[name] = acc
-    return merged
+    # read once per name: a lazy delta decodes on each access
+    return {name: _weighted_tensor(_reader(deltas, name), weights) for name in deltas[0]}
+
+
+def _reader(deltas: Sequence[Mapping[str, torch.Tensor]], name: str) -> Callable[[int], torch.Tensor]:
+    """Read tensor `name` of delta i as fp32, on demand: a merge that reads one delta at a
+    time holds one decoded copy of a lazy delta's tensor, not M of them."""
+    return lambda i: deltas[i][name].float()
+
+
+def _weighted_tensor(read: Callable[[int], torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """Σ w_i · tensor_i, reading each tensor once."""
+    acc: torch.Tensor | None = None
+    for i, weight in enumerate(weights):
+        tensor = read(i)
+        if acc is None:
+            acc = torch.zeros_like(tensor)
+        _add_scaled_(acc, tensor, float(weight))
+    assert acc is not None  # callers refuse zero deltas
+    return acc
 
 
 def merge_mean(deltas: Sequence[Mapping[str, torch.Tensor]]) -> Params:
@@ -256,11 +266,11 @@ def merge_radial(
         raise ValueError("cannot merge zero deltas")
     if norm not in ("mean", "median"):
         raise ValueError(f"norm must be 'mean' or 'median', got {norm!r}")
-    # One tensor name at a time, its M tensors passed as a temporary list: they are freed
-    # before the next name's are read (lazy deltas decode on access).
+    # One tensor name at a time, one delta's tensor at a time: lazy deltas decode on each
+    # access (two or three times here), so the working set does not grow with M.
     return {
         name: _radial_tensor(
-            [d[name].float() for d in deltas],
+            _reader(deltas, name),
             weights,
             norm=norm,
             plain_mean=name in plain_mean_names,
@@ -271,26 +281,30 @@ def merge_radial(
 
 
 def _radial_tensor(
-    tensors: list[torch.Tensor],
+    read: Callable[[int], torch.Tensor],
     weights: Sequence[float],
     *,
     norm: str,
     plain_mean: bool,
     cancel_ratio: float,
 ) -> torch.Tensor:
-    """`merge_radial` for the M versions of one tensor."""
+    """`merge_radial` for the M versions of one tensor, `read(i)` giving version i."""
     if plain_mean:
-        return merge_weighted([{"t": t} for t in tensors], weights)["t"]
-    norms = [_l2_norm(t) for t in tensors]
-    direction = torch.zeros_like(tensors[0])
-    for t, n, w in zip(tensors, norms, weights, strict=True):
+        return _weighted_tensor(read, weights)
+    norms = [_l2_norm(read(i)) for i in range(len(weights))]
+    direction: torch.Tensor | None = None
+    for i, (n, w) in enumerate(zip(norms, weights, strict=True)):
+        tensor = read(i) if direction is None or n > _EPS else None
+        if direction is None:
+            direction = torch.zeros_like(tensor)
         if n > _EPS:
             # the coefficient in Python (float64), then one multiply and one add
-            _add_scaled_(direction, t, float(w) / n)
+            _add_scaled_(direction, tensor, float(w) / n)
+    assert direction is not None  # merge_radial refuses zero deltas
     direction_norm = _l2_norm(direction)
     total_weight = math.fsum(weights)
     if direction_norm < cancel_ratio * total_weight:
-        return merge_weighted([{"t": t} for t in tensors], weights)["t"]
+        return _weighted_tensor(read, weights)
     radius = (
         _weighted_median(norms, weights)
         if norm == "median"

@@ -348,22 +348,21 @@ def loo_cosines(
     One pass over the data, O(M N): with S = Σ_j u_j (u_j = Δ_j / ‖Δ_j‖),
     u_i·S_-i = u_i·S − 1 and ‖S_-i‖² = ‖S‖² − 2 u_i·S + 1, so no pairwise products are
     needed (M² of them cost half an hour of a core at M = 32 and 75M parameters). Tensor by
-    tensor, so a window of `LazyTensors` decodes each contribution once and holds M copies
-    of one tensor at a time. S is summed elementwise in float64 in `order` (give a
-    canonical one, e.g. by peer) and the dot products as in `dot`, so the values do not
-    depend on the order of `deltas` nor on the CPU.
+    tensor, each delta's tensor read twice (into S, then against it) and dropped, so a
+    window of `LazyTensors` holds one decoded tensor and S at a time, whatever M. S is
+    summed elementwise in float64 in `order` (give a canonical one, e.g. by peer) and the
+    dot products as in `dot`, so the values do not depend on the order of `deltas` nor
+    on the CPU.
     """
     count = len(deltas)
     along: list[list[float]] = [[] for _ in range(count)]
     square_partials: list[float] = []
     for name in deltas[0] if deltas else ():
-        # a temporary list: one name's tensors are freed before the next name's are read
-        flats = [d[name].detach().reshape(-1) for d in deltas]
-        total = torch.zeros(flats[0].numel(), dtype=torch.float64)
+        total = torch.zeros(deltas[0][name].numel(), dtype=torch.float64)
         for j in order:
-            total.add_(flats[j].to(torch.float64).div_(norms[j]))
+            total.add_(deltas[j][name].detach().reshape(-1).to(torch.float64).div_(norms[j]))
         for i in range(count):
-            along[i].extend(_chunk_partials(name, flats[i], total))
+            along[i].extend(_chunk_partials(name, deltas[i][name].detach().reshape(-1), total))
         square_partials.append(fixed_order_sum(total, square=True))
     square = math.fsum(square_partials)
     cosines: list[float | None] = []

@@ -153,6 +153,8 @@ def _run_worker(capability: str | None) -> list[str]:
     env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
     if capability is not None:
         env["ATEN_CPU_CAPABILITY"] = capability
+    root = str(Path(__file__).resolve().parents[1])  # the worker imports the package from here
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     done = subprocess.run(
         [sys.executable, str(Path(__file__).resolve())],
         env=env,
