@@ -19,7 +19,6 @@ round is retried on the next heartbeat.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import random
@@ -554,19 +553,12 @@ class ReplicaSync:
         loop = asyncio.get_running_loop()
         if state is None or state.hash != record.parent or state.round != record.round:
             return None
-        names = self.state.fragments[fragment]
-        check = GlobalState({n: state.params[n] for n in names}, [list(names)], self.state.outer)
         try:
-            local = await loop.run_in_executor(self.worker, check.import_fragment, dataclasses.replace(state, fragment=0))
+            checked = await loop.run_in_executor(self.worker, self.state.checked_copy, state)
         except (ValueError, KeyError):
             return None
-        if local != state.hash:
-            return None
         # the checked fp32 copies, not the donor's tensors: the audit applies a merge to them
-        checked = check.outer_state
-        return dataclasses.replace(
-            state, params=check.params, momentum=dict(checked.momentum), accumulated=dict(checked.accumulated)
-        )
+        return checked if checked.hash == state.hash else None
 
     def _notify_settled(self, fragment: int, chain: dict[int, RoundRecord]) -> None:
         """Tell learners which record the DHT's canonical chain holds for each round this

@@ -13,7 +13,6 @@ The learner thread and the network thread share this object; a lock guards it.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import threading
 from collections import OrderedDict
@@ -36,8 +35,17 @@ def hash_tensors(tensors: Mapping[str, torch.Tensor]) -> str:
         tensor = tensors[name].detach().to(torch.float32).contiguous().cpu()
         digest.update(name.encode())
         digest.update(repr(tuple(tensor.shape)).encode())
-        digest.update(tensor.numpy().astype("<f4", copy=False).tobytes())
+        # the array's own buffer (flat, contiguous): no copy of a tensor to hash it
+        digest.update(tensor.numpy().astype("<f4", copy=False).reshape(-1).data)
     return digest.hexdigest()
+
+
+def _hash_of_parts(params: Mapping[str, torch.Tensor], momentum: Mapping[str, torch.Tensor], accumulated: Mapping[str, torch.Tensor]) -> str:
+    """The fragment hash of these tensors (`GlobalState.fragment_hash`)."""
+    tensors = {f"p/{n}": t for n, t in params.items()}
+    tensors.update({f"m/{n}": t for n, t in momentum.items()})
+    tensors.update({f"a/{n}": t for n, t in accumulated.items()})
+    return hash_tensors(tensors)
 
 
 @dataclass(frozen=True)
@@ -107,10 +115,8 @@ class GlobalState:
         """
         with self.lock:
             names = self.fragments[fragment]
-            tensors = {f"p/{n}": self.params[n] for n in names}
-            tensors.update({f"m/{n}": t for n, t in self._momentum_of(fragment).items()})
-            tensors.update({f"a/{n}": t for n, t in self._accumulated_of(fragment).items()})
-            return hash_tensors(tensors)
+            params = {n: self.params[n] for n in names}
+            return _hash_of_parts(params, self._momentum_of(fragment), self._accumulated_of(fragment))
 
     def apply_update(
         self, fragment: int, round_id: int, outer_grad: Mapping[str, torch.Tensor]
@@ -177,9 +183,11 @@ class GlobalState:
                 accumulated={n: t.clone() for n, t in self._accumulated_of(fragment).items()},
             )
 
-    def _checked_copies(self, state: FragmentState) -> tuple[Params, Params, Params]:
+    def checked_copy(self, state: FragmentState) -> FragmentState:
         """fp32 CPU copies of a downloaded fragment's params, momentum and sums, after
-        checking names, shapes and finiteness of every tensor; ValueError otherwise."""
+        checking names, shapes and finiteness of every tensor (ValueError otherwise), with
+        `hash` set to what the copies hash to, not to what the donor claimed. Reads only
+        the layout, so it needs no lock and leaves the replica untouched."""
         if isinstance(state.fragment, bool) or not isinstance(state.fragment, int):
             raise ValueError(f"fragment must be an int, got {state.fragment!r}")
         if not 0 <= state.fragment < self.num_fragments:
@@ -210,33 +218,43 @@ class GlobalState:
                     raise ValueError(f"{kind} tensor {name} is not finite")
                 checked[name] = copy
             copies.append(checked)
-        return copies[0], copies[1], copies[2]
+        params, momentum, accumulated = copies
+        return FragmentState(
+            fragment=state.fragment,
+            round=state.round,
+            params=params,
+            momentum=momentum,
+            hash=_hash_of_parts(params, momentum, accumulated),
+            accumulated=accumulated,
+        )
 
     def import_fragment(self, state: FragmentState) -> str:
         """Replace one fragment's state with a downloaded copy; returns its hash here.
 
         Everything is checked before anything changes: on ValueError the replica is as it was.
         """
+        return self.install_checked(self.checked_copy(state))
+
+    def install_checked(self, checked: FragmentState) -> str:
+        """Install a `checked_copy` (its tensors become the replica's); returns its hash."""
         with self.lock:
-            params, momentum, accumulated = self._checked_copies(state)
-            for name in self.fragments[state.fragment]:
-                self.params[name] = params[name]
+            for name in self.fragments[checked.fragment]:
+                self.params[name] = checked.params[name]
                 for mine, theirs in (
-                    (self.outer_state.momentum, momentum),
-                    (self.outer_state.accumulated, accumulated),
+                    (self.outer_state.momentum, checked.momentum),
+                    (self.outer_state.accumulated, checked.accumulated),
                 ):
                     if name in theirs:
                         mine[name] = theirs[name]
                     else:
                         mine.pop(name, None)
-                self.outer_state.tensor_steps[name] = state.round
-            self.rounds[state.fragment] = state.round
-            self._history[state.fragment].clear()
-            new_hash = self.fragment_hash(state.fragment)
-            self.applied_hashes[state.fragment] = {state.round - 1: new_hash} if state.round else {}
+                self.outer_state.tensor_steps[name] = checked.round
+            self.rounds[checked.fragment] = checked.round
+            self._history[checked.fragment].clear()
+            self.applied_hashes[checked.fragment] = {checked.round - 1: checked.hash} if checked.round else {}
         for listener in list(self.listeners):
-            listener(state.fragment, state.round - 1)
-        return new_hash
+            listener(checked.fragment, checked.round - 1)
+        return checked.hash
 
 
 @dataclass(frozen=True)
@@ -329,15 +347,15 @@ def install_update(state: GlobalState, prepared: PreparedUpdate) -> bool:
 def import_verified(state: GlobalState, fragment_state: FragmentState) -> str | None:
     """Import a downloaded fragment only if its contents hash to what it claims.
 
-    The hash is checked on a scratch copy first, so a donor that names a canonical hash
-    but sends other tensors never changes this replica. Returns the hash, or None.
+    The hash is taken of the checked copies before they are installed, so a donor that
+    names a canonical hash but sends other tensors never changes this replica, and the
+    copies checked are the copies installed (one copy of the fragment). Returns the
+    hash, or None.
     """
-    names = state.fragments[fragment_state.fragment]
-    scratch = GlobalState({n: state.params[n] for n in names}, [list(names)], state.outer)
     try:
-        computed = scratch.import_fragment(dataclasses.replace(fragment_state, fragment=0))
+        checked = state.checked_copy(fragment_state)
     except ValueError:
         return None
-    if computed != fragment_state.hash:
+    if checked.hash != fragment_state.hash:
         return None
-    return state.import_fragment(fragment_state)
+    return state.install_checked(checked)

@@ -79,6 +79,8 @@ def test_a_downloaded_state_that_does_not_hash_to_its_claim_changes_nothing() ->
     assert import_verified(joiner, forged) is None
     assert joiner.fragment_hash(0) == before and joiner.rounds == [0, 0]
     assert import_verified(joiner, honest) == honest.hash == donor.fragment_hash(0)
+    honest.params["a"].add_(5.0)  # what was installed is the checked copy, not the donor's
+    assert joiner.fragment_hash(0) == donor.fragment_hash(0)
     # a result prepared on a copy leaves the replica alone until installed
     prepared = prepare_update(joiner, 0, 1, {"a": torch.zeros(4, 3), "b": torch.zeros(5)})
     assert joiner.rounds == [1, 0] and joiner.fragment_hash(0) == honest.hash
