@@ -294,12 +294,13 @@ def cmd_join(args: argparse.Namespace) -> int:
     """Run the peer daemon: join a run, train, synchronise when elected."""
     import signal
 
+    # the run, its config and its peers first: their errors come before torch's import
+    config, admission, certificates = _join_config(args)
     from p2pdiloco.faults import parse_crash_at
     from p2pdiloco.peer import PeerDaemon, make_transport_for
     from p2pdiloco.record_rules import RunRecordRules
     from p2pdiloco.train import resolve_device
 
-    config, admission, certificates = _join_config(args)
     resolve_device(config.train.device)  # fail before joining, with one line
     peer = config.peer
     crash_at = peer.crash_at or os.environ.get("P2PDILOCO_CRASH_AT", "")

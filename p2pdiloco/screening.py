@@ -88,54 +88,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2pdiloco.errors import ConfigError
+from p2pdiloco.config import ScreeningRules  # the [screening] section: defined with the config
 from p2pdiloco.outer import SUM_BLOCK, Params, fixed_order_sum, merge, tensor_norm, token_weights
 
 _DOT_CHUNK = 32 * SUM_BLOCK
 """Elements multiplied at a time in `dot` (8 MiB of float64 per operand)."""
-
-
-@dataclass(frozen=True)
-class ScreeningRules:
-    """How contributions are screened; every replica and auditor uses the same values."""
-
-    clip_factor: float = 3.0
-    """Deltas above this times the reference norm are scaled down to it."""
-    refuse_factor: float = 4.0
-    """Deltas above this times the clip threshold are refused instead of scaled."""
-    max_param_ratio: float = 4.0
-    """Until there is history, the clip threshold is at most this times the fragment's
-    parameter norm (the only bound on a lone delta in round 0)."""
-    history_rounds: int = 4
-    """Records of the fragment's canonical chain (the latest before the window's round)
-    whose contributors make up the `History` (see `history_of`)."""
-    min_history: int = 3
-    """Accepted norms (or token counts) the history needs before it is the reference."""
-    momentum_min_cosine: float = -0.05
-    """Refuse a delta whose cosine with the outer momentum is below this (momentum != 0)."""
-    loo_min_cosine: float = 0.05
-    """Refuse a delta whose cosine with the others' summed directions is below this."""
-    min_loo_peers: int = 3
-    """Deltas needed for the leave-one-out check (two cannot tell which one is off)."""
-    token_factor: float = 2.0
-    """Tokens counted at most this times the median accepted token count, and a weight
-    at most this times the window's median weight."""
-
-    def __post_init__(self) -> None:
-        checks = [
-            ("clip_factor", self.clip_factor >= 1.0, "must be >= 1"),
-            ("refuse_factor", self.refuse_factor >= 1.0, "must be >= 1"),
-            ("max_param_ratio", self.max_param_ratio > 0.0, "must be > 0"),
-            ("history_rounds", self.history_rounds >= 1, "must be >= 1"),
-            ("min_history", self.min_history >= 1, "must be >= 1"),
-            ("momentum_min_cosine", -1.0 <= self.momentum_min_cosine <= 1.0, "must be in [-1, 1]"),
-            ("loo_min_cosine", -1.0 <= self.loo_min_cosine <= 1.0, "must be in [-1, 1]"),
-            ("min_loo_peers", self.min_loo_peers >= 3, "must be >= 3"),
-            ("token_factor", self.token_factor >= 1.0, "must be >= 1"),
-        ]
-        for name, ok, rule in checks:
-            if not ok:  # NaN fails every comparison, so it lands here too
-                raise ConfigError(f"screening.{name} {rule}, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
