@@ -17,6 +17,8 @@ import sys
 
 import pytest
 
+from p2pdiloco.election import elect_synchronizer
+
 from .harness import start_peer_processes, write_identity
 from .swarm_util import TINY_RUN, Events, applied, start_bootstrap, wait_all
 
@@ -88,13 +90,17 @@ def test_only_certified_peers_synchronize_a_certified_run(tmp_path) -> None:
     peers = start_peer_processes(joins, ready_timeout_s=240, envs=[env] * 3)
     assert [p.peer_id for p in peers] == ids
     logs = [Events(p) for p in peers]
-    wait_all(logs, applied(8), ROUND_WAIT_S)  # were it ignored, the third closes 1 in 3
+    # Run until a round that the uncertified peer would have closed, were certification
+    # ignored (rendezvous election among all three), has been closed by someone else.
+    would_win = next(r for r in range(2, 1000) if elect_synchronizer("certrun", r, 0, ids) == ids[2])
+    wait_all(logs, applied(would_win), ROUND_WAIT_S)
     for log in logs:
         log.drain(quiet_s=1.0, max_s=5.0)
 
     certified, uncertified = set(ids[:2]), ids[2]
     closers = {e["round"]: log.peer.peer_id for log in logs for e in log.of("round_closed")}
     assert closers and set(closers.values()) <= certified, closers
+    assert would_win in closers, closers
     assert not logs[2].of("round_closed")
     contributors = set().union(*(e["contributors"] for log in logs for e in log.of("round_closed")))
     assert uncertified in contributors  # open learners: it trains and is merged
