@@ -264,6 +264,20 @@ def run_sync_baseline(
     return curve, tokens_total, bytes_per_learner
 
 
+def _eval_set(config: RunConfig, corpus: Corpus) -> list[torch.Tensor]:
+    """The held-out batches every run of a simulation is evaluated on."""
+    return heldout_batches(
+        corpus, config.simulate.eval_batches, config.train.batch_size, config.model.seq_len
+    )
+
+
+def baseline_alone(config: RunConfig, corpus: Corpus | None = None) -> tuple[LossCurve, int, int]:
+    """The synchronous baseline by itself, on `simulate`'s held-out batches: (curve, tokens,
+    bytes a learner). For a process of its own beside the DiLoCo run (the same figures)."""
+    corpus = corpus or Corpus.from_config(config.data)
+    return run_sync_baseline(config, corpus, _eval_set(config, corpus))
+
+
 def simulate(
     config: RunConfig,
     *,
@@ -273,9 +287,7 @@ def simulate(
 ) -> SimulationResult:
     """Run the DiLoCo simulation and (if `simulate.baseline`) the synchronous baseline."""
     corpus = corpus or Corpus.from_config(config.data)
-    eval_set = heldout_batches(
-        corpus, config.simulate.eval_batches, config.train.batch_size, config.model.seq_len
-    )
+    eval_set = _eval_set(config, corpus)
     schedule = None
     if config.simulate.mode == "decoupled":
         from p2pdiloco.decoupled import run_decoupled  # builds on this module

@@ -206,15 +206,10 @@ def _baseline_worker(config: RunConfig) -> tuple[list[int], list[float], int]:
     """The synchronous baseline in a process of its own, on one thread."""
     import torch
 
-    from p2pdiloco.data import heldout_batches
-    from p2pdiloco.simulate import run_sync_baseline
+    from p2pdiloco.simulate import baseline_alone
 
     torch.set_num_threads(1)
-    corpus = Corpus.from_config(config.data)
-    eval_set = heldout_batches(
-        corpus, config.simulate.eval_batches, config.train.batch_size, config.model.seq_len
-    )
-    curve, _, sent = run_sync_baseline(config, corpus, eval_set)
+    curve, _, sent = baseline_alone(config)
     return curve.tokens, curve.eval_loss, sent
 
 

@@ -135,17 +135,14 @@ def _init_worker(threads: int) -> None:
 def run_one(setting: list[str], overrides: list[str], baseline: bool) -> dict:
     """One simulation in this process: the decoupled DiLoCo run, or the baseline alone."""
     from p2pdiloco.config import load_config, replace
-    from p2pdiloco.data import Corpus, heldout_batches
-    from p2pdiloco.simulate import codec_channel, run_sync_baseline, simulate
+    from p2pdiloco.data import Corpus
+    from p2pdiloco.simulate import baseline_alone, codec_channel, simulate
 
     started = time.time()
     config = load_config(None, [*setting, "simulate.mode='decoupled'", *overrides])
     corpus = Corpus.from_config(config.data)
     if baseline:
-        eval_set = heldout_batches(
-            corpus, config.simulate.eval_batches, config.train.batch_size, config.model.seq_len
-        )
-        curve, tokens, _ = run_sync_baseline(config, corpus, eval_set)
+        curve, tokens, _ = baseline_alone(config, corpus)
         return {"eval_loss": curve.eval_loss[-1], "tokens": tokens, "wall_s": time.time() - started,
                 "curve": {"tokens": curve.tokens, "eval_loss": curve.eval_loss}}  # fmt: skip
     config = replace(config, simulate={"baseline": False})
