@@ -175,13 +175,13 @@ def _simulate_shortcuts(args: argparse.Namespace) -> list[str]:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Run DiLoCo and the synchronous baseline in one process and print held-out losses."""
+    config = config_from_args(args, _simulate_shortcuts(args))  # its errors before torch's import
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
     from p2pdiloco.simulate import simulate
 
-    config = config_from_args(args, _simulate_shortcuts(args))
     console = Console(stderr=True)
     with Progress(
         TextColumn("{task.description}"),

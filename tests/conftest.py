@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from p2pdiloco.config import RunConfig, load_config
 from p2pdiloco.data import Corpus
+
+# One thread a test process, and (through the environment) a process a test starts: the
+# two xdist workers fill two cores, and oversubscribed OpenMP threads spin against each
+# other on a loaded machine (a tiny simulation took 10x longer beside a CPU hog).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
