@@ -315,9 +315,11 @@ def loo_cosines(
     along: list[list[float]] = [[] for _ in range(count)]
     square_partials: list[float] = []
     for name in deltas[0] if deltas else ():
-        total = torch.zeros(deltas[0][name].numel(), dtype=torch.float64)
+        total: torch.Tensor | None = None  # from the first read: no extra decode for its size
         for j in order:
-            total.add_(deltas[j][name].detach().reshape(-1).to(torch.float64).div_(norms[j]))
+            unit = deltas[j][name].detach().reshape(-1).to(torch.float64).div_(norms[j])
+            total = unit if total is None else total.add_(unit)
+        assert total is not None  # `order` names every delta
         for i in range(count):
             along[i].extend(_chunk_partials(name, deltas[i][name].detach().reshape(-1), total))
         square_partials.append(fixed_order_sum(total, square=True))
