@@ -12,6 +12,7 @@ from p2pdiloco.data import (
     EOS,
     BatchStream,
     Corpus,
+    _sorted_sources,
     concatenate,
     decode_tokens,
     encode_text,
@@ -19,8 +20,37 @@ from p2pdiloco.data import (
     is_heldout,
     learner_batches,
     load_documents,
+    stdlib_root,
 )
 from p2pdiloco.errors import DataError
+
+
+def _sorted_by_rglob(folder, skip=("site-packages", "dist-packages", "__pycache__")):
+    """The definition the early-stopping walk must match: every `*.py` file, sorted."""
+    return sorted(
+        p
+        for p in folder.rglob("*.py")
+        if p.is_file() and not set(skip).intersection(p.relative_to(folder).parts)
+    )
+
+
+@pytest.mark.parametrize("limit", [0, 1, 7, 60, 400])
+def test_the_stdlib_walk_stops_early_and_picks_the_sorted_first_files(limit: int) -> None:
+    expected = _sorted_by_rglob(stdlib_root())
+    assert _sorted_sources(stdlib_root(), limit) == (expected[:limit] if limit else expected)
+
+
+def test_the_walk_orders_folders_and_files_of_similar_names_as_sorted_paths(tmp_path) -> None:
+    for name in ["a.py", "a/z.py", "a/b/c.py", "ab.py", "a-b/x.py", "a_/y.py", "B.py", "b.py"]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x = 1\n")
+    (tmp_path / "__pycache__").mkdir()
+    (tmp_path / "__pycache__" / "cached.py").write_text("")
+    (tmp_path / "dir.py").mkdir()  # a folder named like a source is not a source
+    (tmp_path / "link").symlink_to(tmp_path / "a", target_is_directory=True)
+    expected = _sorted_by_rglob(tmp_path)
+    for limit in range(len(expected) + 2):
+        assert _sorted_sources(tmp_path, limit) == (expected[:limit] if limit else expected)
 
 
 def test_byte_tokens_round_trip_utf8() -> None:
