@@ -628,7 +628,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument(
         "--inner-steps", type=int, help="H, inner steps per round (sync.inner_steps)"
     )
-    simulate.add_argument("--model", help="model preset: micro, tiny, small, 150m, 1b (model.preset)")
+    simulate.add_argument("--model", help="model preset: tiny, small, 150m, 1b (model.preset)")
     simulate.add_argument("--merge", help="merge rule: mean, token, radial (outer.merge)")
     simulate.add_argument(
         "--mode", choices=("lockstep", "decoupled"), help="plain DiLoCo, or the swarm's schedule (simulate.mode)"
@@ -663,7 +663,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_options(demo)
     demo.add_argument("--peers", type=int, default=3, help="learner peers to start (default 3)")
     demo.add_argument("--rounds", type=int, default=5, help="outer rounds to train (default 5)")
-    demo.add_argument("--model", help="model preset: micro, tiny, small, 150m, 1b (default small)")
+    demo.add_argument("--model", help="model preset: tiny, small, 150m, 1b (default small)")
     demo.add_argument("--no-dashboard", action="store_true", help="plain progress lines instead")
     demo.add_argument("--json", type=Path, help="write the summary to this JSON file")
     demo.set_defaults(handler=cmd_demo)

@@ -21,7 +21,7 @@ from typing import Any
 
 from p2pdiloco.errors import ConfigError
 
-MODEL_PRESETS = ("micro", "tiny", "small", "150m", "1b")
+MODEL_PRESETS = ("tiny", "small", "150m", "1b")
 DEVICES = ("auto", "cpu", "cuda", "mps", "xla")
 MERGE_RULES = ("mean", "token", "radial", "trimmed")
 RADIAL_NORMS = ("mean", "median")

@@ -41,9 +41,6 @@ class ModelShape:
 
 
 PRESETS: dict[str, ModelShape] = {
-    # Protocol tests and smoke runs: 35K parameters, a CPU step ~4x cheaper than tiny's
-    # (small ops cost their overhead, not their FLOPs); the loss still falls.
-    "micro": ModelShape(dim=32, num_layers=2, num_heads=2, ffn_dim=96),
     "tiny": ModelShape(dim=128, num_layers=4, num_heads=4, ffn_dim=352),
     "small": ModelShape(dim=320, num_layers=8, num_heads=5, ffn_dim=864),
     # OpenDiLoCo's 150M and 1B (TinyLlama-shaped) configurations.

@@ -17,7 +17,6 @@ from p2pdiloco.model import (
 
 
 def test_preset_sizes() -> None:
-    assert 20e3 < count_parameters(build_model("micro")) < 50e3
     assert 0.5e6 < count_parameters(build_model("tiny")) < 1.5e6
     assert 10e6 <= count_parameters(build_model("small")) <= 20e6
     with torch.device("meta"):
@@ -68,9 +67,8 @@ def test_rotary_preserves_norm_and_is_relative() -> None:
     assert torch.allclose(rq[5] @ rk[3], rq[12] @ rk[10], atol=1e-4)
 
 
-@pytest.mark.parametrize("preset", ["micro", "tiny"])
-def test_initial_loss_is_near_uniform_and_overfits_one_batch(preset: str) -> None:
-    model = build_model(preset, seed=0)
+def test_initial_loss_is_near_uniform_and_overfits_one_batch() -> None:
+    model = build_model("tiny", seed=0)
     batch = torch.randint(0, 256, (4, 33))
     initial = float(model.loss(batch).detach())
     assert abs(initial - torch.log(torch.tensor(float(VOCAB_SIZE)))) < 0.5

@@ -8,10 +8,8 @@ from typing import Any
 
 from .harness import PeerProcess, start_peer_process, start_peer_processes
 
-TEST_RUN = [
-    # the 35K-parameter preset: these tests check the protocol, and a peer's startup and
-    # inner steps are most of their CPU time on a 2-core box
-    "model.preset='micro'",
+TINY_RUN = [
+    "model.preset='tiny'",
     "model.seq_len=32",
     "data.max_files=60",
     "train.batch_size=2",
@@ -34,9 +32,9 @@ def on_transport(kind: str) -> list[str]:
 def join_args(
     *, initial: list[str] | None = None, sets: list[str] = (), flags: list[str] = ()
 ) -> list[str]:
-    """Arguments of `python -m p2pdiloco join` for a small test swarm."""
+    """Arguments of `python -m p2pdiloco join` for a tiny test swarm."""
     args = ["-m", "p2pdiloco", "join", "--events", "--heartbeat-s", "1", "--threads", "1"]
-    for item in [*TEST_RUN, *sets]:
+    for item in [*TINY_RUN, *sets]:
         args += ["--set", item]
     if initial:
         args += ["--initial-peers", *initial]

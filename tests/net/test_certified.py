@@ -20,7 +20,7 @@ import pytest
 from p2pdiloco.election import elect_synchronizer
 
 from .harness import start_peer_processes, write_identity
-from .swarm_util import TEST_RUN, Events, applied, start_bootstrap, wait_all
+from .swarm_util import TINY_RUN, Events, applied, start_bootstrap, wait_all
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -42,7 +42,7 @@ def test_only_certified_peers_synchronize_a_certified_run(tmp_path) -> None:
     env = {**os.environ, "P2PDILOCO_HOME": str(tmp_path / "home")}
     manifest, key = tmp_path / "certrun.toml", tmp_path / "operator.key"
     run_sets = [
-        a for item in TEST_RUN if item.split("=")[0] not in PER_PEER for a in ("--set", item)
+        a for item in TINY_RUN if item.split("=")[0] not in PER_PEER for a in ("--set", item)
     ]
     made = p2pdiloco(
         "run",
@@ -64,7 +64,7 @@ def test_only_certified_peers_synchronize_a_certified_run(tmp_path) -> None:
         assert done.returncode == 0, done.stderr
 
     boot = start_bootstrap("--manifest", str(manifest))  # stores only what the run's rules allow
-    per_peer = [a for item in TEST_RUN if item.split("=")[0] in PER_PEER for a in ("--set", item)]
+    per_peer = [a for item in TINY_RUN if item.split("=")[0] in PER_PEER for a in ("--set", item)]
     joins = [
         [
             "-m",

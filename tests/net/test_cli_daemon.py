@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from .harness import REPO_ROOT, free_port
-from .swarm_util import TEST_RUN, Events, applied, start_bootstrap, start_peer_processes
+from .swarm_util import TINY_RUN, Events, applied, start_bootstrap, start_peer_processes
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -42,7 +42,7 @@ def test_demo_completes_with_falling_loss_and_identical_replicas(tmp_path) -> No
         "demo",
         "--no-dashboard",
         "--model",
-        "micro",
+        "tiny",
         "--peers",
         "2",
         "--rounds",
@@ -83,7 +83,7 @@ def test_join_from_a_bootstrap_file_forms_a_swarm_that_status_lists(bootstrap_fi
         str(bootstrap_file),
     ]
     peers = start_peer_processes(
-        [[*base, *sets(*TEST_RUN, "sync.min_quorum=2")] for _ in range(2)], ready_timeout_s=240
+        [[*base, *sets(*TINY_RUN, "sync.min_quorum=2")] for _ in range(2)], ready_timeout_s=240
     )
     logs = [Events(p) for p in peers]
     for log in logs:
@@ -95,7 +95,7 @@ def test_join_from_a_bootstrap_file_forms_a_swarm_that_status_lists(bootstrap_fi
         "testrun",
         "--bootstrap-file",
         str(bootstrap_file),
-        *sets(*TEST_RUN),
+        *sets(*TINY_RUN),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     status = json.loads(proc.stdout)
@@ -109,7 +109,7 @@ def test_join_from_a_bootstrap_file_forms_a_swarm_that_status_lists(bootstrap_fi
         "testrun",
         "--bootstrap-file",
         str(bootstrap_file),
-        *sets(*TEST_RUN, "sync.inner_steps=7"),
+        *sets(*TINY_RUN, "sync.inner_steps=7"),
     )
     assert other.returncode == 2 and "differs from the run's" in other.stderr.splitlines()[-1], (
         other.stderr[-2000:]
@@ -131,7 +131,7 @@ def test_dashboard_shows_peer_rows_and_rounds_in_a_real_terminal(bootstrap_file)
         str(bootstrap_file),
     ]
     peers = start_peer_processes(
-        [[*base, *sets(*TEST_RUN, "sync.min_quorum=2")] for _ in range(2)], ready_timeout_s=240
+        [[*base, *sets(*TINY_RUN, "sync.min_quorum=2")] for _ in range(2)], ready_timeout_s=240
     )
     for log in [Events(p) for p in peers]:
         log.wait(applied(0), 300)
@@ -183,13 +183,13 @@ def test_bad_inputs_each_give_one_line_and_exit_code_2(tmp_path) -> None:
         taken.listen()
         port = taken.getsockname()[1]
         assert "already in use" in _one_error_line(
-            run_cli("join", "--new-run", "--port", str(port), *sets(*TEST_RUN))
+            run_cli("join", "--new-run", "--port", str(port), *sets(*TINY_RUN))
         )
     dead = (
         f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/12D3KooWEKA2Q78SUehS68gSmBu9ARDrqrWQd82a3w8KXMPyEbEp"
     )
     line = _one_error_line(
-        run_cli("join", "--startup-timeout-s", "10", "--initial-peers", dead, *sets(*TEST_RUN))
+        run_cli("join", "--startup-timeout-s", "10", "--initial-peers", dead, *sets(*TINY_RUN))
     )
     assert "initial peers" in line
 
@@ -211,14 +211,14 @@ def test_checkpoint_is_saved_on_leaving_and_restored_on_start(tmp_path) -> None:
         "12",
         "--checkpoint-dir",
         str(ckpt),
-        *sets(*TEST_RUN),
+        *sets(*TINY_RUN),
     ]
     first = Events(start_peer_process(args, ready_timeout_s=240))
     saved = first.wait(lambda e: e.get("event") == "checkpoint_saved", 300)
     assert saved["step"] == 12 and (ckpt / "learner.pt").exists()
     assert first.peer.popen.wait(60) == 0
     second = Events(
-        start_peer_process([*args[: -len(sets(*TEST_RUN))], *sets(*TEST_RUN)], ready_timeout_s=240)
+        start_peer_process([*args[: -len(sets(*TINY_RUN))], *sets(*TINY_RUN)], ready_timeout_s=240)
     )
     second.wait(lambda e: e.get("event") == "checkpoint_saved", 300)
     loaded = [e for e in second.seen if e.get("event") == "checkpoint_loaded"]

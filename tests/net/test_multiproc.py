@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(600)
 
 ROUND_WAIT_S = 300
 TOKENS_PER_RANK_STEP = 2 * 32
-"""train.batch_size × model.seq_len of the test run (swarm_util.TEST_RUN)."""
+"""train.batch_size × model.seq_len of the tiny test run (swarm_util.TINY_RUN)."""
 STALENESS_DISCOUNT = 0.5
 """sync.staleness_discount (the default), to recompute the merge weights."""
 

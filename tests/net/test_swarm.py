@@ -1,6 +1,6 @@
 """The swarm with real peers: separate OS processes on 127.0.0.1, faults as real signals.
 
-Each test starts a bootstrap node and small learners (`python -m p2pdiloco join`), reads
+Each test starts a bootstrap node and tiny learners (`python -m p2pdiloco join`), reads
 the JSON events they print, and ends on the property that matters: every replica holds
 the same global state (hash) after every round it applied.
 """
