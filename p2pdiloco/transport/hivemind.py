@@ -259,7 +259,14 @@ class HivemindTransport(Transport):
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.startup_timeout_s
-        await self._wait_for_initial_peers(deadline)
+        if not await self._wait_for_initial_peers(deadline):
+            # Said here: hivemind, left the ~1 s that remains, would often report its own
+            # slow start instead of the dead peers.
+            raise TransportStartError(
+                f"none of the initial peers answered ({', '.join(self.initial_peers)}) within "
+                f"{self.startup_timeout_s}s; are they up, and on this run's network.transport "
+                "(hivemind)?"
+            )
         for attempt in itertools.count(1):
             try:
                 await self._start_dht_once(max(1.0, deadline - loop.time()))
@@ -271,8 +278,9 @@ class HivemindTransport(Transport):
                 await self._stop_dht()
                 await asyncio.sleep(1.0)  # back-off between attempts, not synchronisation
 
-    async def _wait_for_initial_peers(self, deadline: float) -> None:
-        """Return once one initial peer accepts TCP (or at the deadline: bootstrap reports)."""
+    async def _wait_for_initial_peers(self, deadline: float) -> bool:
+        """Once one initial peer accepts TCP, True; False if none did by the deadline.
+        True at once if no initial peer has a TCP address to try (hivemind reports)."""
         endpoints = []
         for maddr in self.initial_peers:
             parts = maddr.split("/")
@@ -284,8 +292,9 @@ class HivemindTransport(Transport):
                 with suppress(OSError, TimeoutError):
                     _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 2)
                     writer.close()
-                    return
+                    return True
             await asyncio.sleep(0.5)  # polling with a deadline
+        return not endpoints
 
     async def _start_dht_once(self, timeout_s: float) -> None:
         self._bootstrap_failed = False
