@@ -14,7 +14,7 @@ Two parts, each in its own processes (peak RSS is per process):
 
 Then a memory model (bytes per parameter from the measurements) for the `1b` preset and
 M = 2..32. `--quick` runs the `tiny` model (about 2 minutes); the full setting runs the
-`small` model for the merge sweep and `150m` for the swarm (about 20 minutes here).
+`small` model for the merge sweep and `150m` for the swarm (15-20 minutes here).
 
     python scripts/bench_memory.py [--quick] [--json out/memory.json]
 """
