@@ -31,6 +31,7 @@ from p2pdiloco.errors import ConfigError, NetworkSetupError
 from p2pdiloco.events import EventSink
 from p2pdiloco.faults import SplitView, crash_hook, faulty_contribute
 from p2pdiloco.fragments import frame_problem, partition_fragments
+from p2pdiloco.heap import heap_free_bytes
 from p2pdiloco.learner import Learner
 from p2pdiloco.learner_link import LearnerLink, Outcome
 from p2pdiloco.membership import Heartbeat, learners, live_members, members_key, seal_heartbeat
@@ -332,6 +333,8 @@ class PeerDaemon:
             "hashes": [state.fragment_hash(f) for f in range(state.num_fragments)],
             # Linux reports kilobytes: the process's peak resident memory so far
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            # of which freed but kept by malloc (None off glibc): see p2pdiloco.heap
+            "heap_free_bytes": heap_free_bytes(),
         }
 
     def rounds_reached(self) -> list[int]:

@@ -226,6 +226,7 @@ def run_swarm(preset: str, rounds: int, workdir: Path) -> dict[str, Any]:
         "peers": {
             name: {
                 "peak_rss_bytes": s["peak_rss_bytes"],
+                "heap_free_bytes_at_exit": s.get("heap_free_bytes"),
                 "steps": s["steps"],
                 "rounds": s["rounds"],
                 "rounds_contributed": s["rounds_contributed"],
@@ -237,7 +238,8 @@ def run_swarm(preset: str, rounds: int, workdir: Path) -> dict[str, Any]:
     }
     for name, p in out["peers"].items():
         print(
-            f"swarm {preset} {name}: peak RSS {p['peak_rss_bytes'] / MiB:.0f} MiB, "
+            f"swarm {preset} {name}: peak RSS {p['peak_rss_bytes'] / MiB:.0f} MiB "
+            f"(heap free at exit {(p['heap_free_bytes_at_exit'] or 0) / MiB:.0f} MiB), "
             f"{p['steps']} steps, rounds {p['rounds']}, contributed {p['rounds_contributed']}",
             flush=True,
         )
