@@ -333,7 +333,8 @@ class PeerDaemon:
             "hashes": [state.fragment_hash(f) for f in range(state.num_fragments)],
             # Linux reports kilobytes: the process's peak resident memory so far
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            # of which freed but kept by malloc (None off glibc): see p2pdiloco.heap
+            # freed memory malloc still keeps now, at the summary, not at the peak (None off
+            # glibc): see p2pdiloco.heap
             "heap_free_bytes": heap_free_bytes(),
         }
 
