@@ -216,7 +216,7 @@ def load_learner(directory: str | Path, learner: Any, config_hash: str) -> bool:
     if learner.feedback is not None:
         learner.feedback.load_state_dict(payload["feedback"])
     for key, value in payload["progress"].items():
-        if hasattr(learner.progress, key) and key not in ("status", "loop_s", "train_s"):
+        if hasattr(learner.progress, key) and key not in ("status", "loop_s", "train_s", "rest_s"):
             setattr(learner.progress, key, value)
     log.info("checkpoint loaded path=%s step=%d", path, learner.progress.step)
     return True

@@ -111,6 +111,10 @@ class TrainConfig:
     """Max global gradient L2 norm (0 disables clipping)."""
     seed: int = 0
     """Seed for model init (shared by all peers) and, mixed with the peer's rank, data order."""
+    compute_share: float = 1.0
+    """Share of wall-clock time the training loop may compute, in (0, 1]: a volunteer's
+    "use at most half of this machine" is 0.5. After each inner step the loop rests so its
+    busy time stays at this share (1: it never rests)."""
 
     def __post_init__(self) -> None:
         _check(
@@ -134,6 +138,11 @@ class TrainConfig:
             f"must be in [0, 1], got {self.min_lr_ratio}",
         )
         _check(self.grad_clip >= 0.0, "train.grad_clip", f"must be >= 0, got {self.grad_clip}")
+        _check(
+            0.0 < self.compute_share <= 1.0,
+            "train.compute_share",
+            f"must be in (0, 1], got {self.compute_share}",
+        )
 
 
 @dataclass(frozen=True)
@@ -769,7 +778,7 @@ def _toml_value(val: Any) -> str:
 
 
 PER_PEER_FIELDS = {
-    "train": {"device", "batch_size", "grad_accum"},
+    "train": {"device", "batch_size", "grad_accum", "compute_share"},
     "sync": {"audit_share"},
 }
 """Fields each volunteer may choose for its own machine (token weighting absorbs them)."""

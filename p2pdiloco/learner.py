@@ -92,10 +92,19 @@ class LearnerProgress:
     status: str = "starting"
     train_s: float = 0.0
     """Seconds spent inside inner steps."""
+    rest_s: float = 0.0
+    """Seconds the loop rested to keep to `train.compute_share`."""
     loop_s: float = 0.0
     """Seconds the loop ran (inner steps plus everything else on this thread)."""
     latencies_s: list[float] = field(default_factory=list)
     """Send-to-result time of each contribution that got a result."""
+
+
+def rest_after(busy_s: float, compute_share: float) -> float:
+    """Seconds to rest after `busy_s` of work so that work is `compute_share` of the time."""
+    if compute_share >= 1.0 or busy_s <= 0.0:
+        return 0.0
+    return busy_s * (1.0 - compute_share) / compute_share
 
 
 class Learner:
@@ -170,6 +179,7 @@ class Learner:
         sync = self.config.sync
         # the warm start is for the run's first rounds: a learner that joins later skips it
         warm_steps = sync.warm_steps if max(self.state.rounds, default=0) == 0 else 0
+        share = self.config.train.compute_share
         self.progress.status = "training"
         if self.eval_set:
             self.progress.eval_loss = self.evaluate_global()
@@ -186,7 +196,9 @@ class Learner:
             # every step
             started = time.monotonic()
             result = self.trainer.step(self.batches)
-            self._count(result.tokens, time.monotonic() - started)
+            # the step's wall time includes the rest that follows it: that is how fast this
+            # learner moves, which the synchronizer's grace window (Eq. 3) has to know
+            self._count(result.tokens, (time.monotonic() - started) / share)
             self.progress.train_s += time.monotonic() - started
 
             # ship: send what the encoder finished, hand it what was staged last step (its
@@ -219,6 +231,10 @@ class Learner:
                 )
 
             every_step()  # the daemon's periodic work on this thread (checkpoints)
+            rest = rest_after(time.monotonic() - started, share)
+            if rest > 0.0:
+                stop.wait(rest)
+                self.progress.rest_s += rest
 
             # stop
             if max_rounds is not None and min(rounds_reached()) >= max_rounds:

@@ -323,6 +323,7 @@ class PeerDaemon:
             "tokens": p.tokens,
             "train_s": p.train_s,
             "loop_s": p.loop_s,
+            "rest_s": p.rest_s,
             "rounds": list(state.rounds),
             "rounds_contributed": p.rounds_contributed,
             "tokens_contributed": p.tokens_contributed,

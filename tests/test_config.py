@@ -69,6 +69,8 @@ def test_file_then_overrides(tmp_path) -> None:
         ("peer.announce_maddrs=[1]", "peer.announce_maddrs must be a list of strings"),
         ("sync.min_quorum", "must look like section.key=value"),
         ("network.transport='tcp'", "network.transport must be one of hivemind, libp2p"),
+        ("train.compute_share=0", "train.compute_share must be in (0, 1], got 0"),
+        ("train.compute_share=1.5", "train.compute_share must be in (0, 1], got 1.5"),
     ],
 )
 def test_bad_values_name_the_field(override: str, message: str) -> None:
@@ -116,6 +118,8 @@ def test_peer_section_is_left_out_of_the_run_hash() -> None:
         ],
     )
     assert config_hash(per_peer) == base
+    # a volunteer's own machine: how much of it the loop may use
+    assert config_hash(load_config(None, ["train.compute_share=0.5"])) == base
     assert config_hash(load_config(None, ["sync.min_quorum=2"])) != base
     assert config_hash(load_config(None, ["compress.codec='int4'"])) != base
 

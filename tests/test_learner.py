@@ -3,15 +3,17 @@ by the committed record of their round."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from concurrent.futures import Future
 
+import pytest
 import torch
 
 from p2pdiloco import compress, wire
 from p2pdiloco.data import learner_batches
 from p2pdiloco.fragments import partition_fragments
-from p2pdiloco.learner import Learner
+from p2pdiloco.learner import Learner, rest_after
 from p2pdiloco.learner_link import Outcome
 from p2pdiloco.model import build_model
 from p2pdiloco.state import GlobalState
@@ -111,3 +113,31 @@ def test_the_loop_encodes_beside_the_training_thread_and_sends_when_done(tiny_co
     learner.send_encoded(block=True)
     assert threads and threads[0].startswith("encoder") and len(sent) == 1
     assert 0 not in learner.encoding and 0 in learner.in_flight
+
+
+def test_rest_keeps_work_to_the_compute_share() -> None:
+    assert rest_after(0.3, 1.0) == 0.0
+    assert rest_after(0.0, 0.5) == 0.0
+    assert rest_after(0.3, 0.5) == pytest.approx(0.3)
+    assert rest_after(0.1, 0.25) == pytest.approx(0.3)  # busy 0.1 of every 0.4 s
+
+
+@pytest.mark.parametrize("share", [1.0, 0.25])
+def test_the_loop_rests_to_its_compute_share_and_reports_its_wall_speed(
+    tiny_config, tiny_corpus, share
+) -> None:
+    """A volunteer's "use a quarter of this machine": the loop rests three times as long as
+    it works, and the step time it reports (which the synchronizer's grace window uses) is
+    the wall time a step takes, rest included."""
+    config = dataclasses.replace(tiny_config, train=dataclasses.replace(tiny_config.train, compute_share=share))
+    learner, _, _ = make_learner(config, tiny_corpus)
+    learner.run(threading.Event(), max_steps=6)
+    p = learner.progress
+    assert p.step == 6
+    if share == 1.0:
+        assert p.rest_s == 0.0
+    else:
+        assert p.rest_s >= 3 * p.train_s, "the rest covers at least 3x the inner steps' time"
+        assert p.loop_s >= p.rest_s
+        # the reported step time is the compute time / share: 4x a step's compute
+        assert p.step_time_s >= 2 * p.train_s / p.step

@@ -17,6 +17,9 @@ TINY_RUN = [
     "train.warmup_steps=5",
     "sync.inner_steps=10",
     "sync.round_deadline_s=60",
+    # a test starts 3-6 peers, two tests at a time on a 2-core machine: learners training
+    # flat out would starve every start, merge and DHT call the test is waiting for
+    "train.compute_share=0.2",
 ]
 
 
