@@ -89,6 +89,9 @@ class Window:
     """Better-placed synchronizers its learners could not reach (failover): not moved to."""
     sealed: dict[str, bytes] = field(default_factory=dict)
     """peer -> its signed contribution, as received (kept for auditors once committed)."""
+    closing: asyncio.Task | None = None
+    """The task merging and committing it once the machine closed it (a leaving peer
+    lets it finish)."""
 
     @property
     def key(self) -> tuple[int, int]:
@@ -172,8 +175,20 @@ class Synchronizer:
             raise LookupError(f"contributions of round {asked[0]} fragment {asked[1]} are not kept here")
         return encode_contribution_list(kept)
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, finish_s: float = 20.0) -> None:
+        """Leave. A window still collecting is answered "leaving" (its learners resend to the
+        next synchronizer); one already closed gets `finish_s` to merge and commit, so a
+        peer that leaves does not throw away a merge the swarm would have to redo, nor stop
+        between storing a round's record and answering its learners."""
+        closing = []
         for window in list(self.windows.values()):
+            if window.closing is None:
+                self._finish(window, self._reply(window, messages.NO_QUORUM, reason="synchronizer is leaving"))
+            else:
+                closing.append(window.closing)
+        if closing:
+            await asyncio.wait(closing, timeout=finish_s)
+        for window in list(self.windows.values()):  # still closing: out of time
             self._finish(window, self._reply(window, messages.NO_QUORUM, reason="synchronizer is leaving"))
         for task in list(self._tasks):
             task.cancel()
@@ -369,6 +384,7 @@ class Synchronizer:
                     max_grace_s=sync.max_grace_s,
                 )
                 if isinstance(action, Close):
+                    window.closing = asyncio.current_task()
                     await self._commit(window, action.grace_s)
                     return
                 if isinstance(action, Move):

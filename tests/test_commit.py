@@ -316,6 +316,47 @@ def test_a_synchronizer_killed_at_any_commit_phase_leaves_one_round_and_loses_no
     scenario(3, body)
 
 
+@pytest.mark.parametrize("phase", ["after_quorum", "during_merge", "after_hold", "after_record"])
+def test_a_synchronizer_that_leaves_while_closing_a_round_finishes_it_first(phase: str) -> None:
+    """Ctrl-C (or its own learner reaching `--max-rounds`) at any phase of a commit: the
+    round it already closed is merged, committed and answered before it goes; nothing is
+    left for the next synchronizer to redo."""
+
+    async def body(cluster: Cluster) -> None:
+        leaving, a, b = cluster[0], cluster[1], cluster[2]
+        shutdowns: list[asyncio.Task] = []
+
+        async def leave() -> None:
+            shutdowns.append(asyncio.ensure_future(leaving.sync.shutdown(finish_s=5.0)))
+            await asyncio.sleep(0)  # the shutdown starts while the commit is at this phase
+
+        leaving.on_phase[phase] = leave
+        outcomes = await asyncio.gather(a.contribute(1.0), b.contribute(3.0))
+        await asyncio.wait_for(shutdowns[0], 5.0)
+        assert [o.status for o in outcomes] == [messages.MERGED, messages.MERGED], outcomes
+        (committed,) = [r for (round_id, _), r in cluster.dht_records().items() if round_id == 0]
+        assert committed.synchronizer == leaving.peer_id
+        assert [e["round"] for e in leaving.events if e["event"] == "round_closed"] == [0]
+        assert not leaving.sync.windows and not leaving.sync._tasks
+
+    scenario(3, body)
+
+
+def test_a_synchronizer_that_leaves_while_collecting_tells_its_learners_at_once() -> None:
+    async def body(cluster: Cluster) -> None:
+        leaving, a = cluster[0], cluster[1]
+        sealed = seal_contribution(a.transport.identity, RUN, a.frame(1.0))
+        waiting = asyncio.ensure_future(leaving.sync.rpc_contribute(a.peer_id, sealed))
+        await poll(lambda: (0, 0) in leaving.sync.windows)
+        await asyncio.wait_for(leaving.sync.shutdown(finish_s=5.0), 1.0)
+        reply = wire.decode_message(await asyncio.wait_for(waiting, 1.0), LIMITS)
+        assert reply.meta["status"] == messages.NO_QUORUM, reply.meta
+        assert "leaving" in reply.meta["reason"]
+        assert not cluster.dht_records()
+
+    scenario(3, body)
+
+
 def test_the_update_goes_to_one_holder_at_a_time_and_a_failed_push_is_replaced() -> None:
     """On a slow uplink concurrent pushes share it: with R = 1 only one push runs before the
     commit, and a holder that fails (here: both contributors die) is replaced by the next."""
