@@ -338,7 +338,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
     from p2pdiloco.manifest import find_manifest, joined_config
     from p2pdiloco.peer import make_transport_for
-    from p2pdiloco.record_rules import RunRecordRules
+    from p2pdiloco.record_rules import bootstrap_rules
     from p2pdiloco.trust import Admission
 
     config = config_from_args(args)
@@ -349,7 +349,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
         peer = dataclasses.replace(peer, run=manifest.name)
     admission = manifest.admission() if manifest is not None else Admission()
     # A bootstrap node is a DHT node too: it stores only records the run's rules allow.
-    rules = RunRecordRules(peer.run, config.sync.num_fragments, admission)
+    rules = bootstrap_rules(peer.run, config.sync.num_fragments if manifest is not None else None, admission)
     transport = make_transport_for(peer, rules, config.network.transport)
 
     async def serve() -> None:

@@ -202,6 +202,11 @@ class OuterConfig:
         )
 
 
+MAX_FRAGMENTS = 64
+"""The most fragments a run may have: a bootstrap node of an open run, which does not know
+the run's count, stores the round records of this many (record_rules)."""
+
+
 @dataclass(frozen=True)
 class SyncConfig:
     """When fragments are synchronised and how a synchronizer closes a round."""
@@ -258,6 +263,11 @@ class SyncConfig:
             1 <= self.num_fragments <= self.inner_steps,
             "sync.num_fragments",
             f"must be in [1, sync.inner_steps={self.inner_steps}], got {self.num_fragments}",
+        )
+        _check(
+            self.num_fragments <= MAX_FRAGMENTS,
+            "sync.num_fragments",
+            f"must be at most {MAX_FRAGMENTS}, got {self.num_fragments}",
         )
         _check(self.warm_steps >= 0, "sync.warm_steps", f"must be >= 0, got {self.warm_steps}")
         _check(

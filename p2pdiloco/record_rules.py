@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 from p2pdiloco.audit import NOTICE_TTL_S, notices_key, open_notice
+from p2pdiloco.config import MAX_FRAGMENTS
 from p2pdiloco.membership import members_key, open_heartbeat
 from p2pdiloco.rounds import open_record, record_subkey, rounds_key
 from p2pdiloco.trust import Admission
@@ -77,3 +78,13 @@ class RunRecordRules:
             self.run, record.synchronizer, record.certificates, record.closed_at
         )
         return f"synchronizer not entitled: {refusal}" if refusal else None
+
+
+def bootstrap_rules(run: str, num_fragments: int | None, admission: Admission) -> RunRecordRules:
+    """The rules of a bootstrap node: a DHT node that stores what the run's rules allow.
+
+    With a manifest it knows the run's fragment count. Without one (an open run) the
+    learners choose it, and a bootstrap node that refused the records of their higher
+    fragments would make their stores fail at random (hivemind answers a store with its
+    last replica's answer): it takes every fragment a run may have."""
+    return RunRecordRules(run, num_fragments if num_fragments is not None else MAX_FRAGMENTS, admission)

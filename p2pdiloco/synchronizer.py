@@ -474,12 +474,7 @@ class Synchronizer:
             log.warning("rival record round=%d fragment=%d: not committing ours", m.round, m.fragment)
             self._finish(window, self._late_reply(m.round, m.fragment, "round committed elsewhere"))
             return
-        stored = await self.transport.store(
-            rounds_key(self.run, m.fragment),
-            record_subkey(m.round, self.peer_id),
-            record.sealed,
-            self.transport.now() + ROUND_RECORD_TTL_S,
-        )
+        stored = await self._store_record(record)
         if not stored:
             # No record, no commit: nothing is installed, the learners' bases did not move.
             log.warning("round record not stored round=%d fragment=%d", m.round, m.fragment)
@@ -593,6 +588,19 @@ class Synchronizer:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         return list(holders)
+
+    async def _store_record(self, record: RoundRecord) -> bool:
+        """Store the round's record: the commit point. A DHT may answer "not stored" for a
+        record that some of its nodes did keep (hivemind reports its last replica's
+        answer), so a refusal is checked by reading the record back."""
+        key, subkey = rounds_key(self.run, record.fragment), record_subkey(record.round, self.peer_id)
+        if await self.transport.store(key, subkey, record.sealed, self.transport.now() + ROUND_RECORD_TTL_S):
+            return True
+        found = (await self.transport.get(key)).get(subkey)
+        if found is not None and found[0] == record.sealed:
+            log.info("round record reported not stored but found round=%d fragment=%d", record.round, record.fragment)
+            return True
+        return False
 
     async def _push(self, peer: str, update: Update, timeout_s: float) -> str | None:
         """Hand the update to `peer` to hold; its id once it acked the digest, else None."""

@@ -56,6 +56,8 @@ class CrashNetwork(MemoryNetwork):
         self.killed: set[str] = set()
         self.in_flight: dict[str, dict[asyncio.Task, str]] = {}
         self.refuse_records = False
+        self.misreport_records = False
+        """Keep round records but answer "not stored" (hivemind's last-replica answer)."""
         self.peak_calls: dict[str, int] = {}
         """Most calls of each RPC name in flight at once, over all peers."""
 
@@ -71,7 +73,8 @@ class CrashNetwork(MemoryNetwork):
     def _store(self, key: str, subkey: str, value: bytes, expiration_time: float) -> bool:
         if self.refuse_records and "/rounds/" in key:
             return False
-        return super()._store(key, subkey, value, expiration_time)
+        kept = super()._store(key, subkey, value, expiration_time)
+        return kept and not (self.misreport_records and "/rounds/" in key)
 
 
 class CrashTransport(MemoryTransport):
@@ -531,6 +534,22 @@ def test_a_delta_is_reported_merged_only_when_its_record_is_in_the_dht() -> None
         outcomes = await asyncio.gather(cluster[1].contribute(1.0), cluster[2].contribute(3.0))
         assert not cluster.dht_records()
         assert all(o.status != messages.MERGED for o in outcomes), outcomes
+
+    scenario(3, body)
+
+
+def test_a_record_the_dht_kept_but_reported_not_stored_is_a_commit() -> None:
+    """A DHT whose nodes disagree answers "not stored" although one of them kept the
+    record: the round is committed all the same, so its learners are told merged (not
+    "no quorum", which would have them resend a delta the chain already holds)."""
+
+    async def body(cluster: Cluster) -> None:
+        cluster.network.misreport_records = True
+        outcomes = await asyncio.gather(cluster[1].contribute(1.0), cluster[2].contribute(3.0))
+        (committed,) = cluster.dht_records().values()
+        assert [o.status for o in outcomes] == [messages.MERGED, messages.MERGED], outcomes
+        assert committed.synchronizer == cluster[0].peer_id
+        assert [e["round"] for e in cluster[0].events if e["event"] == "round_closed"] == [0]
 
     scenario(3, body)
 

@@ -80,6 +80,11 @@ def test_bad_values_name_the_field(override: str, message: str) -> None:
     assert "\n" not in str(info.value)
 
 
+def test_a_run_has_at_most_the_fragments_a_bootstrap_node_accepts() -> None:
+    with pytest.raises(ConfigError, match="sync.num_fragments must be at most 64, got 65"):
+        load_config(None, ["sync.inner_steps=200", "sync.num_fragments=65"])
+
+
 def test_missing_and_invalid_files(tmp_path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml")

@@ -17,7 +17,7 @@ from p2pdiloco.identity import (
     verify,
 )
 from p2pdiloco.membership import Heartbeat, heartbeat_domain, members_key, seal_heartbeat
-from p2pdiloco.record_rules import HEARTBEAT_MAX_TTL_S, RunRecordRules
+from p2pdiloco.record_rules import HEARTBEAT_MAX_TTL_S, RunRecordRules, bootstrap_rules
 from p2pdiloco.rounds import RoundRecord, record_subkey, rounds_key, seal_record
 from p2pdiloco.trust import Admission, Certificate, issue_certificate, read_certificate
 
@@ -142,6 +142,18 @@ the test ids are the case numbers (the same in every pytest-xdist worker)."""
 def test_the_rules_refuse_forged_malformed_and_over_long_lived_values(key, subkey, value, expiration, reason) -> None:
     refusal = RULES.check(key, subkey, value, expiration, NOW)
     assert refusal is not None and reason in refusal
+
+
+def test_a_bootstrap_node_of_an_open_run_stores_the_records_of_any_fragment_a_run_may_have() -> None:
+    """Learners choose the fragment count of an open run; its bootstrap node does not know
+    it, and refusing fragment 1's records made the learners' stores fail (stop 23)."""
+    record = seal_record(PEER, RUN, round_record(fragment=5))
+    subkey = record_subkey(3, PEER.peer_id)
+    open_bootstrap = bootstrap_rules(RUN, None, Admission())
+    assert open_bootstrap.check(rounds_key(RUN, 5), subkey, record, NOW + 1, NOW) is None
+    assert open_bootstrap.check(rounds_key(RUN, 64), subkey, record, NOW + 1, NOW) == "not a key of this run"
+    with_manifest = bootstrap_rules(RUN, 2, Admission())
+    assert with_manifest.check(rounds_key(RUN, 5), subkey, record, NOW + 1, NOW) == "not a key of this run"
 
 
 def test_a_certified_run_stores_round_records_only_from_certified_synchronizers() -> None:
