@@ -196,10 +196,11 @@ class Learner:
             # every step
             started = time.monotonic()
             result = self.trainer.step(self.batches)
+            step_s = time.monotonic() - started
             # the step's wall time includes the rest that follows it: that is how fast this
             # learner moves, which the synchronizer's grace window (Eq. 3) has to know
-            self._count(result.tokens, (time.monotonic() - started) / share)
-            self.progress.train_s += time.monotonic() - started
+            self._count(result.tokens, step_s / share)
+            self.progress.train_s += step_s
 
             # ship: send what the encoder finished, hand it what was staged last step (its
             # host copy ran beside this step's work on an accelerator), then stage the

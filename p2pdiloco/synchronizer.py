@@ -180,16 +180,16 @@ class Synchronizer:
         next synchronizer); one already closed gets `finish_s` to merge and commit, so a
         peer that leaves does not throw away a merge the swarm would have to redo, nor stop
         between storing a round's record and answering its learners."""
-        closing = []
-        for window in list(self.windows.values()):
-            if window.closing is None:
+
+        def answer_leaving(windows: list[Window]) -> None:
+            for window in windows:
                 self._finish(window, self._reply(window, messages.NO_QUORUM, reason="synchronizer is leaving"))
-            else:
-                closing.append(window.closing)
+
+        answer_leaving([w for w in self.windows.values() if w.closing is None])
+        closing = [w.closing for w in self.windows.values() if w.closing is not None]
         if closing:
             await asyncio.wait(closing, timeout=finish_s)
-        for window in list(self.windows.values()):  # still closing: out of time
-            self._finish(window, self._reply(window, messages.NO_QUORUM, reason="synchronizer is leaving"))
+        answer_leaving(list(self.windows.values()))  # still closing: out of time
         for task in list(self._tasks):
             task.cancel()
 
