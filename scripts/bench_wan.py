@@ -69,6 +69,8 @@ FULL = {
 }
 """`diloco_steps` is a cap: the p2pdiloco run stops once it reaches DDP's final loss."""
 COMMON = [
+    # both systems read these (the corpus, its held-out split, the warm-up); DDP ignores the
+    # sync and outer fields
     "train.device='cpu'",
     "train.warmup_steps=20",
     "data.max_files=600",
@@ -208,13 +210,24 @@ def ddp_worker(rank: int, preset: str, sets: list[str], steps: int, eval_every: 
     print(json.dumps({"rank": rank, "lone_step_s": lone_step_s, "wall_s": wall_s, "steps": steps, "curve": curve}))
 
 
+def ddp_sets(setting: dict[str, Any]) -> list[str]:
+    """The overrides a DDP rank loads after the preset: the same corpus, held-out split,
+    batch and schedule as the p2pdiloco peers (`diloco_sets`)."""
+    return [*COMMON, *setting["sets"]]
+
+
+def diloco_sets(setting: dict[str, Any]) -> list[str]:
+    """The overrides every p2pdiloco peer (and the bootstrap node) runs with."""
+    return [f"model.preset='{setting['preset']}'", *COMMON, *setting["sets"]]
+
+
 def run_ddp(setting: dict[str, Any], steps: int) -> dict[str, Any]:
     """DDP over the namespaces for `steps` steps: rank 0's curve, step time, utilisation."""
     before = sent_bytes()
     procs = []
     for rank in range(LEARNERS):
         argv = ["ip", "netns", "exec", learner_ns(rank), sys.executable, __file__, "--ddp-worker",
-                str(rank), str(steps), str(setting["eval_every"]), setting["preset"], *setting["sets"]]  # fmt: skip
+                str(rank), str(steps), str(setting["eval_every"]), setting["preset"], *ddp_sets(setting)]  # fmt: skip
         procs.append(
             # gloo would take the address the host name resolves to (loopback): name the link
             subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -252,7 +265,7 @@ def run_ddp(setting: dict[str, Any], steps: int) -> dict[str, Any]:
 def run_diloco(setting: dict[str, Any], steps: int, target: float, workdir: Path) -> dict[str, Any]:
     """Four `p2pdiloco join` peers, one per namespace, until learner 0's global model
     reaches `target` held-out loss or `steps` inner steps each."""
-    sets = [f"model.preset='{setting['preset']}'", *COMMON, *setting["sets"]]
+    sets = diloco_sets(setting)
     boot_argv = ["ip", "netns", "exec", BRIDGE_NS, sys.executable, "-m", "p2pdiloco", "bootstrap",
                  "--events", "--host", BRIDGE_IP]  # fmt: skip
     for item in sets:  # it validates records by the run's config

@@ -42,6 +42,19 @@ def test_time_to_target_is_the_first_point_at_or_below_it() -> None:
     assert bench_wan.time_to(curve, 1.0) is None
 
 
+@pytest.mark.parametrize("setting", [bench_wan.QUICK, bench_wan.FULL])
+def test_ddp_and_the_swarm_train_and_evaluate_on_the_same_data(setting) -> None:
+    """Both systems must read the same corpus, held-out split, batch and lr schedule (DDP
+    once loaded only the setting's own fields, so it trained and was evaluated on the
+    whole standard library while the peers read 600 files of it)."""
+    from p2pdiloco.config import load_config
+
+    ddp = load_config(overrides=[f"model.preset='{setting['preset']}'", *bench_wan.ddp_sets(setting)])
+    peers = load_config(overrides=bench_wan.diloco_sets(setting))
+    assert (ddp.data, ddp.model, ddp.train) == (peers.data, peers.model, peers.train)
+    assert ddp.data.max_files == 600
+
+
 def test_bench_wan_refuses_to_run_without_root_in_one_line(monkeypatch, capsys) -> None:
     monkeypatch.setattr(bench_wan.os, "geteuid", lambda: 1000)
     monkeypatch.setattr(sys, "argv", ["bench_wan.py", "--quick"])
