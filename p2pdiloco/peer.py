@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import resource
 import threading
 import time
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from p2pdiloco import __version__, wire
+from p2pdiloco import __version__, census, wire
 from p2pdiloco.addressbook import initial_peers_with_fallback, load_addresses, remember_addresses
 from p2pdiloco.audit import Auditor
 from p2pdiloco.checkpoint import load_learner, save_learner
@@ -226,7 +227,15 @@ class PeerDaemon:
                 {"event": "applied", "fragment": f, "round": r, "hash": state.applied_hashes[f].get(r, "")}
             )
         )
+        if os.environ.get(census.ENV_VAR, "0") not in ("", "0"):
+            state.listeners.append(self._memory_census)
         return Parts(state, trainer, replicas, synchronizer, link, learner, str(device))
+
+    def _memory_census(self, fragment: int, round_index: int) -> None:
+        """A `memory` event: this process's RSS and its large buffers by owner (p2pdiloco.census)."""
+        found = census.census(self)
+        self.emit({"event": "memory", "fragment": fragment, "round": round_index,
+                   "rss_bytes": census.rss_bytes(), "heap_free_bytes": heap_free_bytes(), **found})  # fmt: skip
 
     async def _start_network(self) -> None:
         parts = self._parts()

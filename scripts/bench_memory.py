@@ -47,8 +47,62 @@ JOIN_AT_ROUND = {"150m": 5}
 SWARM_FRAGMENTS = 2
 
 
-def _env() -> dict[str, str]:
-    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+def _env(census: bool = False) -> dict[str, str]:
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    if census:  # each peer reports its large buffers by owner after every applied round
+        from p2pdiloco.census import ENV_VAR
+
+        env[ENV_VAR] = "1"
+    return env
+
+
+class RssSampler:
+    """Samples the resident memory of the swarm's processes twice a second, from /proc, so
+    a peak can be placed in the run: which event of that peer came last before it."""
+
+    def __init__(self, period_s: float = 0.5) -> None:
+        import threading
+
+        self.period_s = period_s
+        self.children: list[Child] = []
+        self.samples: dict[str, list[tuple[float, int]]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="rss-sampler", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            for child in list(self.children):
+                try:
+                    text = Path(f"/proc/{child.pid}/status").read_text()
+                except OSError:  # exited
+                    continue
+                for line in text.splitlines():
+                    if line.startswith("VmRSS:"):
+                        rss = int(line.split()[1]) * 1024
+                        self.samples.setdefault(child.name, []).append((time.time(), rss))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def report(self, child: Child) -> dict[str, Any]:
+        """The sampled peak, when it came and the peer's last event before it; the RSS at
+        each `applied` event; a timeline of at most 200 points."""
+        samples = self.samples.get(child.name, [])
+        if not samples:
+            return {}
+        peak_t, peak = max(samples, key=lambda s: s[1])
+        before = [e for e in child.events if e.get("t", 0) <= peak_t and "event" in e]
+        last = before[-1] if before else {}
+        stride = max(1, len(samples) // 200)
+        start = samples[0][0]
+        return {
+            "sampled_peak_bytes": peak,
+            "peak_at_s": round(peak_t - start, 1),
+            "event_before_peak": {k: last[k] for k in ("event", "fragment", "round") if k in last},
+            "timeline": [(round(t - start, 1), rss) for t, rss in samples[::stride]],
+        }
 
 
 def _status_bytes(field: str) -> int:
@@ -160,8 +214,10 @@ def _kind(kind: str):
     return lambda e: e.get("event") == kind
 
 
-def run_swarm(preset: str, rounds: int, workdir: Path) -> dict[str, Any]:
-    """A full peer and a late client-mode joiner train `preset`; the joiner for `rounds` rounds."""
+def run_swarm(preset: str, rounds: int, workdir: Path, census: bool = False) -> dict[str, Any]:
+    """A full peer and a late client-mode joiner train `preset`; the joiner for `rounds` rounds.
+    `census`: the peers report their large buffers by owner after every applied round."""
+    sampler = RssSampler()
     sets = [f"model.preset='{preset}'", "train.device='cpu'", f"sync.num_fragments={SWARM_FRAGMENTS}",
             "sync.min_quorum=1", "train.warmup_steps=2", "data.max_files=300",
             *SWARM_SETS[preset]]  # fmt: skip
@@ -180,7 +236,9 @@ def run_swarm(preset: str, rounds: int, workdir: Path) -> dict[str, Any]:
                 "--identity", str(own / "id.key"), "--initial-peers", *maddrs, *extra]  # fmt: skip
         for item in sets:
             argv += ["--set", item]
-        return Child.spawn(argv, name, cwd=REPO, env=_env())
+        child = Child.spawn(argv, name, cwd=REPO, env=_env(census))
+        sampler.children.append(child)
+        return child
 
     started = time.monotonic()
 
@@ -207,9 +265,11 @@ def run_swarm(preset: str, rounds: int, workdir: Path) -> dict[str, Any]:
     for child in full:
         child.wait_event(_kind("summary"), 120)
     summaries = {child.name: child.first("summary") for child in children}
+    by_name = {child.name: child for child in children}
     for child in children:
         child.stop(60)
     boot.stop(10)
+    sampler.stop()
     applied_hashes: dict[tuple[int, int], set[str]] = {}
     for child in children:
         for e in child.of("applied"):
@@ -232,11 +292,18 @@ def run_swarm(preset: str, rounds: int, workdir: Path) -> dict[str, Any]:
                 "rounds_contributed": s["rounds_contributed"],
                 "bytes_sent": s["bytes_sent"],
                 "bytes_received": s["bytes_received"],
+                **sampler.report(by_name[name]),
+                **_census_report(by_name[name]),
             }
             for name, s in summaries.items()
         },
     }
     for name, p in out["peers"].items():
+        if "sampled_peak_bytes" in p:
+            print(f"swarm {preset} {name}: sampled peak {p['sampled_peak_bytes'] / MiB:.0f} MiB at "
+                  f"{p['peak_at_s']} s, after {p['event_before_peak']}", flush=True)  # fmt: skip
+        for owner, size in list(p.get("census_at_largest", {}).get("by_owner", {}).items())[:12]:
+            print(f"swarm {preset} {name}: census {owner} {size / MiB:.0f} MiB", flush=True)
         print(
             f"swarm {preset} {name}: peak RSS {p['peak_rss_bytes'] / MiB:.0f} MiB "
             f"(heap free at exit {(p['heap_free_bytes_at_exit'] or 0) / MiB:.0f} MiB), "
@@ -249,6 +316,16 @@ def run_swarm(preset: str, rounds: int, workdir: Path) -> dict[str, Any]:
         flush=True,
     )
     return out
+
+
+def _census_report(child: Child) -> dict[str, Any]:
+    """The peer's census at the applied round where its RSS was largest (`--census`)."""
+    censuses = [e for e in child.of("memory") if e.get("rss_bytes")]
+    if not censuses:
+        return {}
+    largest = max(censuses, key=lambda e: e["rss_bytes"])
+    keep = ("fragment", "round", "rss_bytes", "heap_free_bytes", "owned_bytes", "unowned_tensor_bytes", "by_owner")
+    return {"census_at_largest": {k: largest.get(k) for k in keep}, "censuses": len(censuses)}
 
 
 # --- the memory model ----------------------------------------------------------------------
@@ -326,6 +403,9 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--skip-swarm", action="store_true", help="the merge sweep only")
     parser.add_argument("--skip-merge", action="store_true", help="the swarm only (no memory model)")
+    parser.add_argument(
+        "--census", action="store_true", help="peers report their large buffers by owner (p2pdiloco.census)"
+    )
     parser.add_argument("--merge-worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.merge_worker:
@@ -341,7 +421,7 @@ def main() -> int:
 
         with tempfile.TemporaryDirectory(prefix="p2pdiloco-memory-") as tmp:
             try:
-                out["swarm"] = run_swarm(setting["swarm_preset"], setting["rounds"], Path(tmp))
+                out["swarm"] = run_swarm(setting["swarm_preset"], setting["rounds"], Path(tmp), args.census)
             finally:
                 reap_all()
     if "swarm" in out and "merge" in out:
