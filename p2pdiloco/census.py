@@ -16,9 +16,11 @@ container that changes under it is skipped, never an error. Enabled in a peer by
 from __future__ import annotations
 
 import gc
+import threading
+import time
 import types
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -138,3 +140,38 @@ def rss_bytes() -> int | None:
     except OSError:
         return None
     return None
+
+
+class CensusOnEvent:
+    """Takes a census of `root` in a daemon thread when asked, at most one at a time and
+    one every `min_interval_s`; asks that come meanwhile are dropped. A census of a `150m`
+    peer walks millions of objects: taken on every applied round, inside the thread that
+    applies it, it slowed the peer enough that its rounds piled up."""
+
+    def __init__(self, root: Any, emit: Callable[[dict], None], min_interval_s: float = 30.0) -> None:
+        self.root = root
+        self.emit = emit
+        self.min_interval_s = min_interval_s
+        self._lock = threading.Lock()
+        self._busy = False
+        self._last = float("-inf")
+
+    def request(self, fragment: int, round_index: int) -> bool:
+        """Start a census unless one runs or ran less than `min_interval_s` ago."""
+        with self._lock:
+            now = time.monotonic()
+            if self._busy or now - self._last < self.min_interval_s:
+                return False
+            self._busy, self._last = True, now
+        threading.Thread(target=self._take, args=(fragment, round_index), name="census", daemon=True).start()
+        return True
+
+    def _take(self, fragment: int, round_index: int) -> None:
+        try:
+            started = time.monotonic()
+            found = census(self.root, depth=2)
+            self.emit({"event": "memory", "fragment": fragment, "round": round_index,
+                       "rss_bytes": rss_bytes(), "census_s": round(time.monotonic() - started, 2), **found})  # fmt: skip
+        finally:
+            with self._lock:
+                self._busy = False

@@ -227,15 +227,10 @@ class PeerDaemon:
                 {"event": "applied", "fragment": f, "round": r, "hash": state.applied_hashes[f].get(r, "")}
             )
         )
-        if os.environ.get(census.ENV_VAR, "0") not in ("", "0"):
-            state.listeners.append(self._memory_census)
-        return Parts(state, trainer, replicas, synchronizer, link, learner, str(device))
-
-    def _memory_census(self, fragment: int, round_index: int) -> None:
-        """A `memory` event: this process's RSS and its large buffers by owner (p2pdiloco.census)."""
-        found = census.census(self)
-        self.emit({"event": "memory", "fragment": fragment, "round": round_index,
-                   "rss_bytes": census.rss_bytes(), "heap_free_bytes": heap_free_bytes(), **found})  # fmt: skip
+        parts = Parts(state, trainer, replicas, synchronizer, link, learner, str(device))
+        if os.environ.get(census.ENV_VAR, "0") not in ("", "0"):  # diagnostics: p2pdiloco.census
+            state.listeners.append(census.CensusOnEvent(parts, self.emit).request)
+        return parts
 
     async def _start_network(self) -> None:
         parts = self._parts()

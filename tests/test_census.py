@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from p2pdiloco.census import MiB, _cut, census, rss_bytes
+from p2pdiloco.census import CensusOnEvent, MiB, _cut, census, rss_bytes
 
 
 class Holder:
@@ -80,3 +80,34 @@ def test_paths_are_cut_to_depth_with_indices_folded():
 
 def test_rss_is_read_on_linux():
     assert (rss_bytes() or 0) > 10 * MiB
+
+
+def test_census_on_event_runs_one_at_a_time_and_drops_asks_meanwhile():
+    events: list[dict] = []
+    done = threading.Event()
+    release = threading.Event()
+
+    def emit(event: dict) -> None:
+        release.wait(60)  # holds the census thread "busy" until the test lets it go
+        events.append(event)
+        done.set()
+
+    taker = CensusOnEvent(Root(), emit, min_interval_s=0.0)
+    assert taker.request(0, 1)
+    assert not taker.request(0, 2)  # one is running: dropped
+    release.set()
+    assert done.wait(60)
+    assert events[0]["round"] == 1 and events[0]["by_owner"][".holder.frames"] == 5 * MiB
+    assert events[0]["rss_bytes"] > 0
+    for _ in range(600):  # the thread clears its busy flag right after emitting
+        if taker.request(0, 3):
+            break
+        threading.Event().wait(0.1)
+    else:
+        raise AssertionError("a census was refused after the last one finished")
+
+
+def test_census_on_event_keeps_its_interval():
+    taker = CensusOnEvent(Root(), lambda event: None, min_interval_s=3600.0)
+    assert taker.request(0, 1)
+    assert not taker.request(0, 2)
