@@ -34,6 +34,10 @@ Submit = Callable[[int, int, bytes], "Future[Outcome]"]
 """Hand a CONTRIBUTION frame (fragment, target round, frame) to the event loop."""
 
 
+BOOKED_PER_FRAGMENT = 16
+"""Bookings a learner keeps a fragment, to un-book one if a rival record takes its round."""
+
+
 @dataclass
 class InFlight:
     """A delta on its way: kept so a late one can be resent to the next round."""
@@ -421,7 +425,7 @@ class Learner:
         delta waits for it (`retry_pending`); if it can go nowhere, it is reported dropped."""
         next_round = self.state.round_of(fragment)
         stale = next_round - item.base_round > self.config.sync.max_staleness_rounds
-        if item.resent or stale:
+        if item.resent or stale or not item.tensors:
             self._drop(fragment, item)
         elif next_round <= item.target_round or fragment in self.in_flight:
             self.pending[fragment] = item
@@ -470,6 +474,7 @@ class Learner:
             elif key in self.booked and not listed:
                 log.warning("a rival update took round=%d fragment=%d: resending", round_id, fragment)
                 self.resend(fragment, self._book(key, self.booked[key], -1))
+        self._prune_booked()
 
     def _book(self, key: tuple[int, int], item: InFlight, sign: int) -> InFlight:
         """Count (+1) or un-count (-1) a merged delta; keeps the last few booked ones."""
@@ -478,11 +483,25 @@ class Learner:
         if sign > 0:
             self.progress.last_weight = item.weight
             self.booked[key] = item
-            for old in sorted(self.booked)[:-16]:
-                del self.booked[old]
+            self._prune_booked()
         else:
             self.booked.pop(key, None)
         return item
+
+    def _prune_booked(self) -> None:
+        """Bound what booked deltas hold. A delta whose base is more than
+        `max_staleness_rounds` behind its fragment can no longer be resent, so a rival
+        taking its round only un-books it: its encoded tensors go (at `150m` one is 76 MB,
+        and 16 were kept). At most `BOOKED_PER_FRAGMENT` bookings a fragment stay."""
+        limit = self.config.sync.max_staleness_rounds
+        kept: dict[int, int] = {}
+        for key in sorted(self.booked, key=lambda k: -k[1]):  # newest rounds first
+            fragment, item = key[0], self.booked[key]
+            kept[fragment] = kept.get(fragment, 0) + 1
+            if kept[fragment] > BOOKED_PER_FRAGMENT:
+                del self.booked[key]
+            elif item.tensors and self.state.round_of(fragment) - item.base_round > limit:
+                item.tensors = {}
 
     def take_over_updates(self) -> None:
         """Take over fragments whose global update was applied; reset their counters."""

@@ -20,11 +20,11 @@ from p2pdiloco.state import GlobalState
 from p2pdiloco.train import InnerTrainer
 
 
-def make_learner(tiny_config, tiny_corpus):
+def make_learner(tiny_config, tiny_corpus, num_fragments: int = 1):
     """A learner whose `submit` records frames and hands back futures the test resolves."""
     model = build_model("tiny", seed=0, max_seq_len=tiny_config.model.seq_len)
     params = {n: p.detach() for n, p in model.named_parameters()}
-    state = GlobalState(params, partition_fragments({n: p.numel() for n, p in params.items()}, 1), tiny_config.outer)
+    state = GlobalState(params, partition_fragments({n: p.numel() for n, p in params.items()}, num_fragments), tiny_config.outer)
     trainer = InnerTrainer(model, tiny_config.train, torch.device("cpu"))
     batches = learner_batches(tiny_corpus, 0, 1, 2, 32, seed=0)
     sent: list[tuple[int, int, bytes, Future]] = []
@@ -73,6 +73,37 @@ def test_merged_delta_is_booked_only_when_the_committed_record_lists_it(tiny_con
     learner.settle()
     assert learner.progress.rounds_contributed == 0 and learner.progress.tokens_contributed == 0
     assert [t for (_, t, _, _) in sent] == [0, 1], "resent once, to the next round"
+
+
+def test_booked_deltas_drop_their_tensors_once_too_stale_to_resend(tiny_config, tiny_corpus) -> None:
+    """A booked delta is kept so a rival record taking its round can send it again; once
+    its base is more than `max_staleness_rounds` behind, it could only be dropped, so only
+    its counters stay. Bookings are bounded per fragment (they were bounded over all
+    fragments by (fragment, round) order, which evicted fragment 0's newest first)."""
+    from p2pdiloco.learner import BOOKED_PER_FRAGMENT, InFlight
+
+    learner, state, _ = make_learner(tiny_config, tiny_corpus, num_fragments=2)
+    zeros = {n: torch.zeros_like(t) for n, t in state.fragment_params(0)[1].items()}
+    tensors = {"w": compress.make_codec("int8").encode(torch.ones(4))}
+    limit = tiny_config.sync.max_staleness_rounds
+    for round_id in range(BOOKED_PER_FRAGMENT + 4):
+        item = InFlight(Future(), round_id, round_id, tokens=1, steps=1, tensors=dict(tensors))
+        learner._book((0, round_id), item, +1)
+        learner._book((1, round_id), InFlight(Future(), round_id, round_id, 1, 1, dict(tensors)), +1)
+        state.apply_update(0, round_id, zeros)
+    learner.settle()  # the loop settles every iteration, and prunes then
+    current = state.round_of(0)
+    rounds_0 = sorted(r for f, r in learner.booked if f == 0)
+    assert len(rounds_0) == BOOKED_PER_FRAGMENT and rounds_0[-1] == current - 1
+    assert len([k for k in learner.booked if k[0] == 1]) == BOOKED_PER_FRAGMENT
+    for (fragment, round_id), item in learner.booked.items():
+        if fragment == 0:
+            assert bool(item.tensors) == (current - round_id <= limit), round_id
+    # a rival taking a round whose delta is too stale un-books it and sends nothing
+    assert learner.progress.rounds_contributed == 2 * (BOOKED_PER_FRAGMENT + 4)
+    learner.committed.put((0, rounds_0[0], frozenset({"other"})))
+    learner.settle()
+    assert learner.progress.rounds_contributed == 2 * (BOOKED_PER_FRAGMENT + 4) - 1
 
 
 def test_a_delta_merged_only_in_a_losing_update_is_resent(tiny_config, tiny_corpus) -> None:
