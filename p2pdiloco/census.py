@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from p2pdiloco.heap import heap_free_bytes
+
 MiB = 1 << 20
 _SKIP = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
          types.CodeType, types.FrameType, str, int, float, bool, complex, type(None))  # fmt: skip
@@ -171,7 +173,8 @@ class CensusOnEvent:
             started = time.monotonic()
             found = census(self.root, depth=2)
             self.emit({"event": "memory", "fragment": fragment, "round": round_index,
-                       "rss_bytes": rss_bytes(), "census_s": round(time.monotonic() - started, 2), **found})  # fmt: skip
+                       "rss_bytes": rss_bytes(), "heap_free_bytes": heap_free_bytes(),
+                       "census_s": round(time.monotonic() - started, 2), **found})  # fmt: skip
         finally:
             with self._lock:
                 self._busy = False

@@ -47,8 +47,10 @@ JOIN_AT_ROUND = {"150m": 5}
 SWARM_FRAGMENTS = 2
 
 
-def _env(census: bool = False) -> dict[str, str]:
+def _env(census: bool = False, mmap_threshold: int = 0) -> dict[str, str]:
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    if mmap_threshold:  # glibc: allocations this large are mmapped, and unmapped when freed
+        env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     if census:  # each peer reports its large buffers by owner after every applied round
         from p2pdiloco.census import ENV_VAR
 
@@ -214,7 +216,9 @@ def _kind(kind: str):
     return lambda e: e.get("event") == kind
 
 
-def run_swarm(preset: str, rounds: int, workdir: Path, census: bool = False) -> dict[str, Any]:
+def run_swarm(
+    preset: str, rounds: int, workdir: Path, census: bool = False, mmap_threshold: int = 0
+) -> dict[str, Any]:
     """A full peer and a late client-mode joiner train `preset`; the joiner for `rounds` rounds.
     `census`: the peers report their large buffers by owner after every applied round."""
     sampler = RssSampler()
@@ -236,7 +240,7 @@ def run_swarm(preset: str, rounds: int, workdir: Path, census: bool = False) -> 
                 "--identity", str(own / "id.key"), "--initial-peers", *maddrs, *extra]  # fmt: skip
         for item in sets:
             argv += ["--set", item]
-        child = Child.spawn(argv, name, cwd=REPO, env=_env(census))
+        child = Child.spawn(argv, name, cwd=REPO, env=_env(census, mmap_threshold))
         sampler.children.append(child)
         return child
 
@@ -279,6 +283,7 @@ def run_swarm(preset: str, rounds: int, workdir: Path, census: bool = False) -> 
     out = {
         "preset": preset,
         "rounds": rounds,
+        "mmap_threshold": mmap_threshold or None,
         "wall_s": time.monotonic() - started,
         "downloaded_fragments": sorted({e["fragment"] for e in downloads}),
         "replicas_identical": all(len(h) == 1 for h in applied_hashes.values()),
@@ -342,11 +347,15 @@ def parameter_count(preset: str) -> int:
 
 RUNTIME_BASE_BYTES = 400 * MiB
 """Python, torch and hivemind's client before any tensor (a `tiny` peer peaks at ~430 MiB)."""
-LEARNER_BYTES_PER_PARAM = 4 + 4 + 8 + 4 + 4 + 4
+LEARNER_BYTES_PER_PARAM = 4 + 4 + 8 + 4 + 4 + 4 + 4 + 4 + 3 * (1 + 2 / 256)
 """fp32 CPU learner: parameters, gradients, AdamW's two moments, the replica (global
-parameters and outer momentum) and error-feedback residuals."""
-LEARNER_BYTES_PER_FRAGMENT_PARAM = 4 + 4 + 1
-"""Per parameter of one fragment in flight: the staged copy, the delta, the int8 encoding."""
+parameters and outer state), error-feedback residuals, the host staging buffers (kept for
+every fragment), the bases (the global parameters each fragment was last taken over
+from), and up to three int8 deltas a fragment kept to resend (in flight, and booked ones
+within `max_staleness_rounds` = 2). The census of the `150m` peers found the bases, the
+staging buffers and the kept deltas, which the model lacked."""
+LEARNER_BYTES_PER_FRAGMENT_PARAM = 4 + 1
+"""Per parameter of the fragment being shipped: its fp32 delta and the int8 encoding."""
 SYNC_BYTES_PER_FRAGMENT_PARAM = 8 + 8 + 4 + 1 + 4
 """A synchronizer's window besides the contributions: the fragment's snapshot and its
 prepared successor (parameters and momentum each), the merged outer gradient, its int8
@@ -406,6 +415,10 @@ def main() -> int:
     parser.add_argument(
         "--census", action="store_true", help="peers report their large buffers by owner (p2pdiloco.census)"
     )
+    parser.add_argument(
+        "--mmap-threshold", type=int, default=0, metavar="BYTES",
+        help="peers' glibc MALLOC_MMAP_THRESHOLD_ (0: glibc's dynamic default)",
+    )  # fmt: skip
     parser.add_argument("--merge-worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.merge_worker:
@@ -421,7 +434,9 @@ def main() -> int:
 
         with tempfile.TemporaryDirectory(prefix="p2pdiloco-memory-") as tmp:
             try:
-                out["swarm"] = run_swarm(setting["swarm_preset"], setting["rounds"], Path(tmp), args.census)
+                out["swarm"] = run_swarm(
+                    setting["swarm_preset"], setting["rounds"], Path(tmp), args.census, args.mmap_threshold
+                )
             finally:
                 reap_all()
     if "swarm" in out and "merge" in out:

@@ -216,9 +216,10 @@ def ddp_sets(setting: dict[str, Any]) -> list[str]:
     return [*COMMON, *setting["sets"]]
 
 
-def diloco_sets(setting: dict[str, Any]) -> list[str]:
-    """The overrides every p2pdiloco peer (and the bootstrap node) runs with."""
-    return [f"model.preset='{setting['preset']}'", *COMMON, *setting["sets"]]
+def diloco_sets(setting: dict[str, Any], extra: list[str] | None = None) -> list[str]:
+    """The overrides every p2pdiloco peer (and the bootstrap node) runs with; `extra` are
+    the swarm's own (`--set`), which DDP has no use for."""
+    return [f"model.preset='{setting['preset']}'", *COMMON, *setting["sets"], *(extra or [])]
 
 
 def run_ddp(setting: dict[str, Any], steps: int) -> dict[str, Any]:
@@ -262,10 +263,12 @@ def run_ddp(setting: dict[str, Any], steps: int) -> dict[str, Any]:
 # --- p2pdiloco -----------------------------------------------------------------------------
 
 
-def run_diloco(setting: dict[str, Any], steps: int, target: float, workdir: Path) -> dict[str, Any]:
+def run_diloco(
+    setting: dict[str, Any], steps: int, target: float, workdir: Path, extra: list[str] | None = None
+) -> dict[str, Any]:
     """Four `p2pdiloco join` peers, one per namespace, until learner 0's global model
     reaches `target` held-out loss or `steps` inner steps each."""
-    sets = diloco_sets(setting)
+    sets = diloco_sets(setting, extra)
     boot_argv = ["ip", "netns", "exec", BRIDGE_NS, sys.executable, "-m", "p2pdiloco", "bootstrap",
                  "--events", "--host", BRIDGE_IP]  # fmt: skip
     for item in sets:  # it validates records by the run's config
@@ -322,6 +325,20 @@ def run_diloco(setting: dict[str, Any], steps: int, target: float, workdir: Path
     }
 
 
+def reusable_ddp(path: Path, setting_name: str, setting: dict[str, Any]) -> dict[str, Any] | str:
+    """DDP's full run from an earlier JSON, or why it cannot stand in for this one."""
+    try:
+        earlier = json.loads(path.read_text())
+        ddp, sets = earlier["ddp"], earlier.get("ddp_sets")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"not a bench_wan JSON ({exc})"
+    if earlier.get("setting") != setting_name or earlier.get("preset") != setting["preset"]:
+        return f"it is the {earlier.get('setting')!r} setting of {earlier.get('preset')!r}"
+    if sets != ddp_sets(setting) or not isinstance(ddp, dict) or ddp.get("steps") != setting["ddp_steps"]:
+        return "its DDP ran another config (or predates `ddp_sets`, when DDP read another corpus)"
+    return ddp
+
+
 # --- figures -------------------------------------------------------------------------------
 
 
@@ -373,6 +390,15 @@ def main() -> int:
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--rates", default="10,100,1000", help="Mbit/s, comma-separated")
     parser.add_argument("--replot", type=Path, help="only redraw --plot from this JSON")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[],
+        help="a config override for the p2pdiloco peers only (e.g. sync.on_receive='rebase')",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ddp-from", type=Path,
+        help="take DDP's full run (its curve, target and bytes) from this earlier JSON of the same "
+        "setting and only time DDP's steps at each rate: its losses do not depend on the link",
+    )  # fmt: skip
     parser.add_argument("--ddp-worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ddp_worker:
@@ -389,12 +415,23 @@ def main() -> int:
     rates = sorted(float(r) for r in args.rates.split(","))
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     out: dict[str, Any] = {"setting": "quick" if args.quick else "full", "preset": setting["preset"],
-                           "learners": LEARNERS, "sets": [*COMMON, *setting["sets"]]}  # fmt: skip
+                           "learners": LEARNERS, "sets": [*COMMON, *setting["sets"], *args.overrides],
+                           "ddp_sets": ddp_sets(setting)}  # fmt: skip
+    reused = None
+    if args.ddp_from:
+        reused = reusable_ddp(args.ddp_from, out["setting"], setting)
+        if isinstance(reused, str):
+            print(f"bench_wan: --ddp-from {args.ddp_from}: {reused}", file=sys.stderr)
+            return 2
     try:
         setup()
-        shape(rates[-1])
-        print(f"DDP, {setting['ddp_steps']} steps at {rates[-1]:g} Mbit/s", flush=True)
-        ddp_full = run_ddp(setting, setting["ddp_steps"])
+        if reused is not None:
+            ddp_full = reused
+            out["ddp_from"] = str(args.ddp_from)
+        else:
+            shape(rates[-1])
+            print(f"DDP, {setting['ddp_steps']} steps at {rates[-1]:g} Mbit/s", flush=True)
+            ddp_full = run_ddp(setting, setting["ddp_steps"])
         target = ddp_full["curve"][-1]["eval_loss"]
         steps_to_target = next(p["step"] for p in ddp_full["curve"] if p["eval_loss"] <= target)
         out["ddp"] = ddp_full
@@ -403,7 +440,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="p2pdiloco-wan-") as tmp:
             for rate in rates:
                 shape(rate)
-                if rate == rates[-1]:
+                if rate == rates[-1] and reused is None:
                     ddp = ddp_full
                 else:
                     print(f"DDP timing, {setting['timing_steps']} steps at {rate:g} Mbit/s", flush=True)
@@ -412,7 +449,7 @@ def main() -> int:
                 step_s = ddp["step_s"]
                 ddp_curve = [{**p, "t": p["step"] * step_s} for p in ddp_full["curve"]]
                 print(f"p2pdiloco, up to {setting['diloco_steps']} steps at {rate:g} Mbit/s", flush=True)
-                dl = run_diloco(setting, setting["diloco_steps"], target, Path(tmp) / f"r{rate:g}")
+                dl = run_diloco(setting, setting["diloco_steps"], target, Path(tmp) / f"r{rate:g}", args.overrides)
                 ddp_time = steps_to_target * step_s
                 dl_time = time_to(dl["curve"], target)
                 dl_bytes_equal_tokens = dl["bytes_sent_per_learner"] * setting["ddp_steps"] / max(dl["steps"], 1)

@@ -55,6 +55,28 @@ def test_ddp_and_the_swarm_train_and_evaluate_on_the_same_data(setting) -> None:
     assert ddp.data.max_files == 600
 
 
+def test_an_earlier_ddp_run_is_reused_only_when_it_ran_this_config(tmp_path) -> None:
+    setting = bench_wan.FULL
+    ddp = {"steps": setting["ddp_steps"], "curve": [], "lone_step_s": 0.5}
+    good = {"setting": "full", "preset": "small", "ddp": ddp, "ddp_sets": bench_wan.ddp_sets(setting)}
+    path = tmp_path / "wan.json"
+    path.write_text(json.dumps(good))
+    assert bench_wan.reusable_ddp(path, "full", setting) == ddp
+    for bad in (
+        {**good, "ddp_sets": None},  # written before DDP read the peers' corpus
+        {**good, "ddp_sets": [*bench_wan.ddp_sets(setting), "train.lr=0.01"]},
+        {**good, "setting": "quick"},
+        {**good, "ddp": {**ddp, "steps": 3}},
+        {**good, "ddp": "garbage"},
+    ):
+        path.write_text(json.dumps(bad))
+        assert isinstance(bench_wan.reusable_ddp(path, "full", setting), str), bad
+    path.write_text("{not json")
+    assert "not a bench_wan JSON" in bench_wan.reusable_ddp(path, "full", setting)
+    path.write_text("[1, 2]")
+    assert isinstance(bench_wan.reusable_ddp(path, "full", setting), str)
+
+
 def test_bench_wan_refuses_to_run_without_root_in_one_line(monkeypatch, capsys) -> None:
     monkeypatch.setattr(bench_wan.os, "geteuid", lambda: 1000)
     monkeypatch.setattr(sys, "argv", ["bench_wan.py", "--quick"])
