@@ -399,6 +399,9 @@ def main() -> int:
         help="take DDP's full run (its curve, target and bytes) from this earlier JSON of the same "
         "setting and only time DDP's steps at each rate: its losses do not depend on the link",
     )  # fmt: skip
+    parser.add_argument(
+        "--diloco-steps", type=int, help="cap on each p2pdiloco learner's steps (default: the setting's)"
+    )
     parser.add_argument("--ddp-worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ddp_worker:
@@ -412,11 +415,13 @@ def main() -> int:
         print("bench_wan: must run as root (it creates network namespaces and tc qdiscs)", file=sys.stderr)
         return 2
     setting = QUICK if args.quick else FULL
+    if args.diloco_steps:
+        setting = {**setting, "diloco_steps": args.diloco_steps}
     rates = sorted(float(r) for r in args.rates.split(","))
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     out: dict[str, Any] = {"setting": "quick" if args.quick else "full", "preset": setting["preset"],
                            "learners": LEARNERS, "sets": [*COMMON, *setting["sets"], *args.overrides],
-                           "ddp_sets": ddp_sets(setting)}  # fmt: skip
+                           "ddp_sets": ddp_sets(setting), "diloco_steps": setting["diloco_steps"]}  # fmt: skip
     reused = None
     if args.ddp_from:
         reused = reusable_ddp(args.ddp_from, out["setting"], setting)

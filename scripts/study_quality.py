@@ -112,6 +112,27 @@ SETTING_VARIANTS = {
             "sync.inner_steps=13", "simulate.rounds=40", "compress.codec='int4'",
             "outer.merge='token'", "outer.lr=1.3", "outer.momentum=0",
         ],
+        # H = 1: the learners' parameters averaged after every step, each with its own
+        # AdamW; is the gap locality (H) or the per-learner optimizer? (fp32: no codec)
+        "h1_fp32": [
+            "sync.inner_steps=1", "simulate.rounds=520", "simulate.eval_every_rounds=26",
+            "compress.codec='fp32'", "outer.merge='token'", "outer.lr=1.0", "outer.momentum=0",
+        ],
+        "h1_fp32_outer_2": [
+            "sync.inner_steps=1", "simulate.rounds=520", "simulate.eval_every_rounds=26",
+            "compress.codec='fp32'", "outer.merge='token'", "outer.lr=2.0", "outer.momentum=0",
+        ],
+        # H = 4: how much of the locality cost a short round saves, and whether sparse
+        # deltas (top 5%, error feedback: ~27x smaller than fp32) keep it at >= 100x
+        "h4_fp32": [
+            "sync.inner_steps=4", "simulate.rounds=130", "simulate.eval_every_rounds=13",
+            "compress.codec='fp32'", "outer.merge='token'", "outer.lr=1.0", "outer.momentum=0",
+        ],
+        "h4_topk5": [
+            "sync.inner_steps=4", "simulate.rounds=130", "simulate.eval_every_rounds=13",
+            "compress.codec='topk'", "compress.topk_fraction=0.05", "outer.merge='token'",
+            "outer.lr=1.0", "outer.momentum=0",
+        ],
     },
 }  # fmt: skip
 """Variants that only make sense in one setting (their H x rounds is that setting's)."""
