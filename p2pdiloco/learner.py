@@ -531,7 +531,7 @@ class Learner:
 
     @torch.no_grad()
     def load_global_into_model(self, fragments) -> None:
-        """On receive: overwrite (default), rebase the progress since shipping, or mix."""
+        """On receive: rebase the progress since shipping (default), overwrite, or mix."""
         mode, alpha = self.config.sync.on_receive, self.config.sync.mix_alpha
         fragments = list(fragments)
         self.send_staged(fragments)  # a staged delta is taken before its fragment changes
