@@ -293,6 +293,7 @@ def run_swarm(
                 "peak_rss_bytes": s["peak_rss_bytes"],
                 "heap_free_bytes_at_exit": s.get("heap_free_bytes"),
                 "steps": s["steps"],
+                "train_s": s.get("train_s"),  # inner steps' time: what a malloc setting costs
                 "rounds": s["rounds"],
                 "rounds_contributed": s["rounds_contributed"],
                 "bytes_sent": s["bytes_sent"],
@@ -354,8 +355,9 @@ every fragment), the bases (the global parameters each fragment was last taken o
 from), and up to three int8 deltas a fragment kept to resend (in flight, and booked ones
 within `max_staleness_rounds` = 2). The census of the `150m` peers found the bases, the
 staging buffers and the kept deltas, which the model lacked."""
-LEARNER_BYTES_PER_FRAGMENT_PARAM = 4 + 1
-"""Per parameter of the fragment being shipped: its fp32 delta and the int8 encoding."""
+LEARNER_BYTES_PER_FRAGMENT_PARAM = 4 + 1 + 4
+"""Per parameter of the fragment being shipped: its fp32 delta, the int8 encoding, and the
+local parameters as shipped, which `sync.on_receive = "rebase"` keeps until the update."""
 SYNC_BYTES_PER_FRAGMENT_PARAM = 8 + 8 + 4 + 1 + 4
 """A synchronizer's window besides the contributions: the fragment's snapshot and its
 prepared successor (parameters and momentum each), the merged outer gradient, its int8

@@ -122,11 +122,12 @@ SETTING_VARIANTS = {
             "sync.inner_steps=1", "simulate.rounds=520", "simulate.eval_every_rounds=26",
             "compress.codec='fp32'", "outer.merge='token'", "outer.lr=2.0", "outer.momentum=0",
         ],
-        # H = 4: how much of the locality cost a short round saves, and whether sparse
-        # deltas (top 5%, error feedback: ~27x smaller than fp32) keep it at >= 100x
-        "h4_fp32": [
-            "sync.inner_steps=4", "simulate.rounds=130", "simulate.eval_every_rounds=13",
-            "compress.codec='fp32'", "outer.merge='token'", "outer.lr=1.0", "outer.momentum=0",
+        # short rounds with sparse deltas (top k, error feedback) to stay at >= 100x:
+        # H = 1 with the top 1% (~130x smaller than fp32), H = 4 with the top 5% (~27x)
+        "h1_topk1": [
+            "sync.inner_steps=1", "simulate.rounds=520", "simulate.eval_every_rounds=26",
+            "compress.codec='topk'", "compress.topk_fraction=0.01", "outer.merge='token'",
+            "outer.lr=1.0", "outer.momentum=0",
         ],
         "h4_topk5": [
             "sync.inner_steps=4", "simulate.rounds=130", "simulate.eval_every_rounds=13",
