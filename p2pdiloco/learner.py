@@ -3,7 +3,8 @@
 Runs on the peer's training thread. Sending a delta, waiting for the window and
 receiving the result happen on the event loop (`learner_link`) while this loop keeps
 taking inner steps; when a fragment's update has been applied to the global state the
-loop takes it over (overwrite, the paper's choice, or rebase / mix) and resets that
+loop takes it over (rebase by default, keeping the steps since shipping; or overwrite, the
+paper's choice, or mix) and resets that
 fragment's counters. A delta that came too late is resent to the next round.
 """
 
