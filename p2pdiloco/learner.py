@@ -4,8 +4,8 @@ Runs on the peer's training thread. Sending a delta, waiting for the window and
 receiving the result happen on the event loop (`learner_link`) while this loop keeps
 taking inner steps; when a fragment's update has been applied to the global state the
 loop takes it over (rebase by default, keeping the steps since shipping; or overwrite, the
-paper's choice, or mix) and resets that
-fragment's counters. A delta that came too late is resent to the next round.
+paper's choice, or mix) and resets that fragment's counters. A delta that came too late
+is resent to the next round.
 """
 
 from __future__ import annotations
