@@ -10,7 +10,8 @@ appear as `unowned`, found through the garbage collector's list of live tensors.
 
 Read-only and best effort: other threads may change containers during the walk, so a
 container that changes under it is skipped, never an error. Enabled in a peer by the
-`P2PDILOCO_MEMORY_CENSUS` environment variable (an event per applied round, `bench_memory`).
+`P2PDILOCO_MEMORY_CENSUS` environment variable (a `memory` event after an applied round,
+at most every 30 s; `bench_memory --census`).
 """
 
 from __future__ import annotations
@@ -129,15 +130,16 @@ def census(root: Any, *, depth: int = 3, min_bytes: int = 64 << 10, max_objects:
 
 
 ENV_VAR = "P2PDILOCO_MEMORY_CENSUS"
-"""Set (to anything but "" or "0") to have a peer emit a `memory` event after each applied round."""
+"""Set (to anything but "" or "0") to have a peer emit `memory` events (`CensusOnEvent`)."""
 
 
-def rss_bytes() -> int | None:
-    """This process's resident memory now (Linux `/proc/self/status`; None elsewhere)."""
+def status_bytes(field: str = "VmRSS", pid: int | str = "self") -> int | None:
+    """A memory line of Linux's `/proc/PID/status` in bytes (`VmRSS`: resident now, `VmHWM`:
+    its peak); None where there is no such file (another OS, a process that exited)."""
     try:
-        with open("/proc/self/status", encoding="ascii") as status:
+        with open(f"/proc/{pid}/status", encoding="ascii") as status:
             for line in status:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
@@ -147,8 +149,7 @@ def rss_bytes() -> int | None:
 class CensusOnEvent:
     """Takes a census of `root` in a daemon thread when asked, at most one at a time and
     one every `min_interval_s`; asks that come meanwhile are dropped. A census of a `150m`
-    peer walks millions of objects: taken on every applied round, inside the thread that
-    applies it, it slowed the peer enough that its rounds piled up."""
+    peer walks millions of objects, so it stays off the thread that applies rounds."""
 
     def __init__(self, root: Any, emit: Callable[[dict], None], min_interval_s: float = 30.0) -> None:
         self.root = root
@@ -173,7 +174,7 @@ class CensusOnEvent:
             started = time.monotonic()
             found = census(self.root, depth=2)
             self.emit({"event": "memory", "fragment": fragment, "round": round_index,
-                       "rss_bytes": rss_bytes(), "heap_free_bytes": heap_free_bytes(),
+                       "rss_bytes": status_bytes(), "heap_free_bytes": heap_free_bytes(),
                        "census_s": round(time.monotonic() - started, 2), **found})  # fmt: skip
         finally:
             with self._lock:

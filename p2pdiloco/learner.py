@@ -478,13 +478,12 @@ class Learner:
         self._prune_booked()
 
     def _book(self, key: tuple[int, int], item: InFlight, sign: int) -> InFlight:
-        """Count (+1) or un-count (-1) a merged delta; keeps the last few booked ones."""
+        """Count (+1) or un-count (-1) a merged delta; a counted one is kept in `booked`."""
         self.progress.rounds_contributed += sign
         self.progress.tokens_contributed += sign * item.tokens
         if sign > 0:
             self.progress.last_weight = item.weight
-            self.booked[key] = item
-            self._prune_booked()
+            self.booked[key] = item  # bounded by `settle`, which prunes after booking
         else:
             self.booked.pop(key, None)
         return item

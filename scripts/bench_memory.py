@@ -33,6 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
+from p2pdiloco.census import status_bytes  # noqa: E402
 from p2pdiloco.launcher import Child, reap_all  # noqa: E402
 
 MiB = 1 << 20
@@ -75,14 +76,9 @@ class RssSampler:
     def _loop(self) -> None:
         while not self._stop.wait(self.period_s):
             for child in list(self.children):
-                try:
-                    text = Path(f"/proc/{child.pid}/status").read_text()
-                except OSError:  # exited
-                    continue
-                for line in text.splitlines():
-                    if line.startswith("VmRSS:"):
-                        rss = int(line.split()[1]) * 1024
-                        self.samples.setdefault(child.name, []).append((time.time(), rss))
+                rss = status_bytes("VmRSS", child.pid)
+                if rss is not None:  # None: exited
+                    self.samples.setdefault(child.name, []).append((time.time(), rss))
 
     def stop(self) -> None:
         self._stop.set()
@@ -109,10 +105,10 @@ class RssSampler:
 
 def _status_bytes(field: str) -> int:
     """A `VmRSS`/`VmHWM` line of /proc/self/status, in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
+    found = status_bytes(field)
+    if found is None:
+        raise RuntimeError(f"{field} not in /proc/self/status")
+    return found
 
 
 def _reset_peak() -> bool:

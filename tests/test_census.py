@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from p2pdiloco.census import CensusOnEvent, MiB, _cut, census, rss_bytes
+from p2pdiloco.census import CensusOnEvent, MiB, _cut, census, status_bytes
 
 
 class Holder:
@@ -79,7 +79,9 @@ def test_paths_are_cut_to_depth_with_indices_folded():
 
 
 def test_rss_is_read_on_linux():
-    assert (rss_bytes() or 0) > 10 * MiB
+    assert (status_bytes() or 0) > 10 * MiB
+    assert status_bytes("VmHWM") >= status_bytes("VmRSS") - MiB
+    assert status_bytes(pid=2**30) is None  # no such process
 
 
 def test_census_on_event_runs_one_at_a_time_and_drops_asks_meanwhile():
