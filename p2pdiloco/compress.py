@@ -40,6 +40,7 @@ import torch
 import zstandard
 
 from p2pdiloco.config import CODECS, CompressConfig
+from p2pdiloco.shapes import check_shape, num_elements
 
 __all__ = [
     "CODECS",
@@ -147,18 +148,9 @@ def _shape_of(tensor: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(d) for d in tensor.shape)
 
 
-def _checked_numel(shape: Any, max_elements: int) -> int:
-    """Elements of an untrusted `shape`, or ValueError past `max_elements` (no allocation)."""
-    if not isinstance(shape, tuple | list) or len(shape) > 64:
-        raise ValueError(f"shape must be a tuple of at most 64 ints, got {type(shape).__name__}")
-    numel = 1
-    for dim in shape:
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
-            raise ValueError(f"shape has a bad dimension {str(dim)[:40]!r}")
-        numel *= dim  # checked per dimension, so the product stays small whatever is claimed
-        if numel > max_elements:
-            raise ValueError(f"shape {list(shape)[:8]} has more than {max_elements} elements")
-    return numel
+def _checked_numel(shape: Any, max_elements: int, *, allow_empty: bool = True) -> int:
+    """Elements of an untrusted `shape`, or ValueError (no allocation): see `shapes.check_shape`."""
+    return num_elements(check_shape(shape, max_elements=max_elements, allow_empty=allow_empty))
 
 
 def _meta_int(meta: Mapping[str, Any], key: str, low: int, high: int) -> int:
@@ -753,12 +745,13 @@ def decode_tensor(
     """Decode any valid `EncodedTensor` (fp32, its shape); ValueError if it is not valid.
 
     Before anything is allocated the shape must equal `expected_shape` (when given) and
-    hold at most `max_elements`; with `finite`, a NaN or Inf in the result is a ValueError.
-    Any input, of any type, gives a tensor or a ValueError.
+    span at most `max_elements` (`shapes.check_shape`); a shape that holds no element is
+    accepted only when `expected_shape` says so. With `finite`, a NaN or Inf in the result
+    is a ValueError. Any input, of any type, gives a tensor or a ValueError.
     """
     if not isinstance(encoded, EncodedTensor):
         raise ValueError(f"expected an EncodedTensor, got {type(encoded).__name__}")
-    numel = _checked_numel(encoded.shape, max_elements)
+    numel = _checked_numel(encoded.shape, max_elements, allow_empty=expected_shape is not None)
     if expected_shape is not None and tuple(encoded.shape) != tuple(expected_shape):
         raise ValueError(
             f"shape {list(encoded.shape)[:8]} is not the expected {list(expected_shape)}"
@@ -843,11 +836,14 @@ def decode_tensors(
     return dict(_decode_each(encoded, finite))
 
 
-def _decode_each(encoded: Mapping[str, EncodedTensor], finite: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _decode_each(
+    encoded: Mapping[str, EncodedTensor], finite: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, decoded tensor), one at a time; ValueError naming the first invalid one."""
     for name, tensor in encoded.items():
         try:
-            yield name, decode_tensor(tensor, finite=finite)
+            # the sizes were checked against the layout (or bounded) before: the shape is known
+            yield name, decode_tensor(tensor, expected_shape=tuple(tensor.shape), finite=finite)
         except ValueError as exc:
             raise ValueError(f"tensor {name!r:.60}: {exc}") from None
 
@@ -866,7 +862,8 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         self._encoded = dict(encoded)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return decode_tensor(self._encoded[name])
+        encoded = self._encoded[name]  # validated by `lazy_tensors`
+        return decode_tensor(encoded, expected_shape=tuple(encoded.shape))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._encoded)

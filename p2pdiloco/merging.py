@@ -116,5 +116,8 @@ def merge_round(
             ordered, screening, outer.merge, norm=outer.radial_norm, plain_mean_names=embeddings
         )
     encoded = {name: outer_codec.encode(t) for name, t in merged.items()}
-    decoded = {name: compress.decode_tensor(e) for name, e in encoded.items()}
+    decoded = {
+        name: compress.decode_tensor(e, expected_shape=tuple(merged[name].shape))
+        for name, e in encoded.items()
+    }
     return RoundMerge(ordered, screening, encoded, decoded)

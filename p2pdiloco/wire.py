@@ -27,6 +27,7 @@ import torch
 
 from p2pdiloco import compress
 from p2pdiloco.compress import CODECS, EncodedTensor, check_layout
+from p2pdiloco.shapes import check_shape
 
 __all__ = [
     "CONTRIBUTION",
@@ -316,22 +317,16 @@ def _check_meta(meta: Any, kind: MessageKind) -> dict[str, Any]:
 
 
 def _check_shape(shape: Any, what: str, limits: WireLimits) -> tuple[int, ...]:
-    if not isinstance(shape, list | tuple):
-        raise _Invalid(f"{what} shape must be a list, got {_short(shape)}")
-    if len(shape) > limits.max_ndim:
-        raise _Invalid(f"{what} has {len(shape)} dimensions, max_ndim is {limits.max_ndim}")
-    numel = 1
-    for dim in shape:
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
-            raise _Invalid(f"{what} shape has a bad dimension {_short(dim)}")
-        # checked per dimension, so the product stays small however large the claims
-        numel *= dim
-        if numel > limits.max_elements_per_tensor:
-            raise _Invalid(
-                f"{what} has more than max_elements_per_tensor="
-                f"{limits.max_elements_per_tensor} elements (shape {_short(shape)})"
-            )
-    return tuple(shape)
+    try:
+        return check_shape(
+            shape,
+            max_elements=limits.max_elements_per_tensor,
+            max_ndim=limits.max_ndim,
+            what=f"{what} shape",
+            limit_name="max_elements_per_tensor",
+        )
+    except ValueError as exc:
+        raise _Invalid(str(exc)) from None
 
 
 @dataclass(frozen=True)

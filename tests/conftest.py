@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import proptest  # noqa: F401  (loads the hypothesis profile before any test module)
 import pytest
 import torch
 

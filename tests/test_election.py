@@ -6,13 +6,14 @@ from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from proptest import examples
 
 from p2pdiloco.election import elect_synchronizer, synchronizer_order
 
 PEERS = [f"12D3KooPeer{i}" for i in range(6)]
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     st.integers(min_value=0, max_value=10**6),
     st.integers(min_value=0, max_value=32),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from proptest import examples
 
 from p2pdiloco.fragments import fragments_due, partition_fragments
 from p2pdiloco.model import build_model
@@ -21,7 +22,7 @@ def test_model_fragments_are_balanced_and_cover_every_tensor_once() -> None:
     assert partition_fragments(sizes, 4) == fragments
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     st.lists(st.integers(min_value=1, max_value=10_000), min_size=1, max_size=40),
     st.integers(min_value=1, max_value=8),

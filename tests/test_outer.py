@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from proptest import examples
 
 from p2pdiloco.outer import (
     OuterState,
@@ -35,7 +36,7 @@ def _random_deltas(num: int, seed: int, shape=(3, 5)) -> list[dict[str, torch.Te
     ]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(learner_counters, shares)
 def test_token_weights_sum_to_one_and_respect_the_cap(counters, max_share) -> None:
     tokens, steps = zip(*counters, strict=True)
@@ -48,7 +49,7 @@ def test_token_weights_sum_to_one_and_respect_the_cap(counters, max_share) -> No
         assert weights == pytest.approx([1 / len(weights)] * len(weights))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(learner_counters, st.randoms(use_true_random=False))
 def test_token_weights_are_permutation_equivariant(counters, rng) -> None:
     order = list(range(len(counters)))
@@ -77,7 +78,7 @@ def test_cap_redistributes_in_proportion() -> None:
     assert cap_shares([0, 0], 0.5) == pytest.approx([0.5, 0.5])
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(
     st.integers(min_value=1, max_value=6),
     st.integers(min_value=0, max_value=1000),
@@ -93,7 +94,7 @@ def test_merges_are_permutation_invariant(num, seed, rule) -> None:
         assert torch.allclose(merged[name], merged_perm[name], atol=1e-5)
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(st.integers(min_value=0, max_value=1000), st.sampled_from(["mean", "token", "radial"]))
 def test_a_single_learners_merge_is_its_delta(seed, rule) -> None:
     (delta,) = _random_deltas(1, seed)
@@ -102,7 +103,7 @@ def test_a_single_learners_merge_is_its_delta(seed, rule) -> None:
         assert torch.allclose(merged[name], delta[name], atol=1e-5)
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(
     st.integers(min_value=2, max_value=6),
     st.integers(min_value=0, max_value=1000),

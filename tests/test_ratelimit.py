@@ -8,6 +8,7 @@ import logging
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from proptest import examples
 
 from p2pdiloco.ratelimit import ConcurrencyLimit, RateLimiter
 from p2pdiloco.transport import CallTimeout, RemoteError
@@ -89,7 +90,7 @@ def test_bad_cost_or_time_is_a_value_error() -> None:
         limiter.allow("p", now=float("nan"))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     rate=st.floats(0, 100),
     burst=st.floats(0.1, 100),

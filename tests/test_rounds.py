@@ -14,6 +14,7 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from proptest import examples
 
 from p2pdiloco.election import synchronizer_order
 from p2pdiloco.identity import Identity
@@ -124,7 +125,7 @@ valid_records = st.builds(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(valid_records)
 def test_every_well_formed_record_round_trips(original: RoundRecord) -> None:
     assert decode_round_record(original.encode()) == original
@@ -147,7 +148,7 @@ def assert_well_formed(decoded: RoundRecord) -> None:
     assert math.isfinite(decoded.grace_s) and math.isfinite(decoded.closed_at)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.binary(max_size=512))
 def test_decoding_arbitrary_bytes_never_raises(raw: bytes) -> None:
     decoded = decode_round_record(raw)
@@ -177,7 +178,7 @@ FIELDS = (
 HUGE = st.sampled_from([list(range(70000)), ["peer"] * 5000, [["p", 0.5, 1]] * 3000, "x" * 70000])
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     overrides=st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=8), values | HUGE, max_size=12),
     drop=st.sets(st.sampled_from(FIELDS), max_size=3),
@@ -194,7 +195,7 @@ def test_decoding_any_msgpack_map_never_raises_and_yields_only_well_formed_recor
         assert_well_formed(decoded)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(values)
 def test_decoding_a_msgpack_value_that_is_not_a_map_yields_none(value: object) -> None:
     if isinstance(value, dict):
@@ -469,7 +470,7 @@ def record_sets(draw) -> list[RoundRecord]:
     return out
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(records=record_sets(), data=st.data())
 def test_the_chain_is_independent_of_input_order_and_well_linked(records: list[RoundRecord], data) -> None:
     void = frozenset(data.draw(st.sets(st.sampled_from([r.digest for r in records] or ["none"]))))

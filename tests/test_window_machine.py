@@ -12,6 +12,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from proptest import examples
 
 from p2pdiloco.windows import RECHECK_S, Close, Expire, Move, Wait, WindowMachine
 
@@ -221,7 +222,7 @@ events = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(min_quorum=st.integers(1, 4), token_fraction=st.sampled_from([0.0, 0.5]), script=events)
 def test_any_history_waits_boundedly_and_ends_at_most_once(min_quorum, token_fraction, script) -> None:
     m = machine(min_quorum=min_quorum, min_token_fraction=token_fraction)
