@@ -226,7 +226,9 @@ class SyncConfig:
     warm_inner_steps: int = 1
     """H during the warm start."""
     overlap_steps: int = 2
-    """tau: inner steps of compute that overlap a synchronisation (paper Eq. 3)."""
+    """tau: inner steps of compute that overlap a synchronisation (paper Eq. 3); with
+    `on_receive = "rebase"` learners overlap a whole cycle, so tau is at least H
+    (`windows.overlap_steps_of`)."""
     grace_gamma: float = 0.5
     """gamma < 1: share of the slack spent waiting for stragglers (paper Eq. 3)."""
     max_grace_s: float = 5.0

@@ -2,10 +2,12 @@
 
 Runs on the peer's training thread. Sending a delta, waiting for the window and
 receiving the result happen on the event loop (`learner_link`) while this loop keeps
-taking inner steps; when a fragment's update has been applied to the global state the
-loop takes it over (rebase by default, keeping the steps since shipping; or overwrite, the
-paper's choice, or mix) and resets that fragment's counters. A delta that came too late
-is resent to the next round.
+taking inner steps. No computed step is lost silently (`ledger`): when a fragment's update
+has been applied to the global state the loop puts it under all of its local progress
+(rebase, the default), and takes a shipped delta's progress out of the model only once
+the canonical record of its round lists it. A delta that no committed round holds is
+folded into the next one (its steps stay local, the next claim carries them); a refused
+one, or steps thrown away by `overwrite`/`mix`, are reported lost with a reason.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from p2pdiloco.config import RunConfig
 from p2pdiloco.devices import StagedCopy
 from p2pdiloco.fragments import fragments_due
 from p2pdiloco.learner_link import Outcome
-from p2pdiloco.messages import LATE, MERGED
+from p2pdiloco.ledger import Claim, Params, WorkLedger, move_progress, take_over
+from p2pdiloco.messages import MERGED, REJECTED
 from p2pdiloco.state import GlobalState
 from p2pdiloco.train import InnerTrainer, evaluate
 
@@ -34,14 +37,21 @@ log = logging.getLogger(__name__)
 Submit = Callable[[int, int, bytes], "Future[Outcome]"]
 """Hand a CONTRIBUTION frame (fragment, target round, frame) to the event loop."""
 
+ContributorsOf = Callable[[int, int], "frozenset[str] | None"]
+"""Peers the canonical record of (fragment, round) lists, or None when no record is known."""
 
-BOOKED_PER_FRAGMENT = 16
-"""Bookings a learner keeps a fragment, to un-book one if a rival record takes its round."""
+KEPT_PER_FRAGMENT = 16
+"""Decided deltas a learner keeps a fragment (merged and folded), to move their progress
+back or out if a rival record later takes their round."""
+
+AMBIGUOUS = ("unreachable", "failed")
+"""Outcomes that do not say whether a synchronizer merged the delta: it may still commit.
+Such a delta waits for the record of its round, at most `sync.round_deadline_s`."""
 
 
 @dataclass
 class InFlight:
-    """A delta on its way: kept so a late one can be resent to the next round."""
+    """A delta shipped against the learner's current base, until its fate is decided."""
 
     future: Future
     target_round: int
@@ -49,9 +59,19 @@ class InFlight:
     tokens: int
     steps: int
     tensors: dict[str, compress.EncodedTensor]
-    resent: bool = False
+    first_step: int = 0
+    last_step: int = 0
+    progress: Params | None = None
+    """`local - base` when it was taken (rebase): what leaves the model once merged."""
     weight: float = 0.0
-    """Merge weight the synchronizer reported (booked once the record settles it)."""
+    """Merge weight the synchronizer reported."""
+    reply: str = ""
+    """The synchronizer's answer once it came (`failed` for an exception)."""
+    replied_at: float = 0.0
+
+    @property
+    def claim(self) -> Claim:
+        return Claim(self.tokens, self.steps, self.first_step, self.last_step)
 
 
 @dataclass
@@ -61,8 +81,7 @@ class Staged:
     copy: StagedCopy
     base_round: int
     base: dict[str, torch.Tensor]
-    tokens: int
-    steps: int
+    claim: Claim
 
 
 @dataclass
@@ -71,8 +90,8 @@ class Encoded:
 
     staged: Staged
     tensors: dict[str, compress.EncodedTensor] | None
-    local: dict[str, torch.Tensor] | None
-    """The shipped local parameters (kept for `on_receive = "rebase"`)."""
+    progress: Params | None
+    """`local - base` of the shipped parameters (kept for `on_receive = "rebase"`)."""
 
 
 @dataclass
@@ -81,12 +100,12 @@ class LearnerProgress:
 
     step: int = 0
     tokens: int = 0
-    c_tokens: list[int] = field(default_factory=list)
-    """Tokens per fragment since that fragment was last received."""
-    c_steps: list[int] = field(default_factory=list)
-    """Inner steps per fragment since that fragment was last received."""
     rounds_contributed: int = 0
     tokens_contributed: int = 0
+    steps_contributed: int = 0
+    """Inner steps carried by this learner's deltas in committed rounds."""
+    lost_steps: dict[str, int] = field(default_factory=dict)
+    """Inner steps reported lost, by reason (refused, non_finite, overwrite, ...)."""
     last_weight: float = 0.0
     loss: float = 0.0
     eval_loss: float = 0.0
@@ -126,6 +145,7 @@ class Learner:
         submit: Submit,
         eval_set: list[torch.Tensor],
         on_event: Callable[[dict], None] = lambda event: None,
+        contributors_of: ContributorsOf = lambda fragment, round_id: None,
     ) -> None:
         self.peer_id = peer_id
         self.run_name = run
@@ -136,14 +156,21 @@ class Learner:
         self.submit = submit
         self.eval_set = eval_set
         self.on_event = on_event
+        self.contributors_of = contributors_of
         self.codec = compress.make_codec_from_config(config.compress)
         lossy = config.compress.codec not in ("fp32",)
         self.feedback = (
             compress.ErrorFeedback() if config.compress.error_feedback and lossy else None
         )
         num_fragments = state.num_fragments
-        self.progress = LearnerProgress(c_tokens=[0] * num_fragments, c_steps=[0] * num_fragments)
+        self.progress = LearnerProgress()
+        self.ledgers = [WorkLedger() for _ in range(num_fragments)]
+        """Per fragment, the work in the local progress: the next claim."""
         self.in_flight: dict[int, InFlight] = {}
+        """Per fragment, the one delta shipped against the current base, until decided."""
+        self.due: set[int] = set()
+        """Fragments whose ship came while the previous delta was undecided: shipped as soon
+        as it is (their steps are not lost, only later)."""
         self.staged: dict[int, Staged] = {}
         """Fragments copied to the host last step, encoded once the next step was queued."""
         self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encoder")
@@ -152,21 +179,21 @@ class Learner:
         self.encoding: dict[int, Future[Encoded]] = {}
         """Fragments with the encoder, sent by the loop once their encoding is done."""
         self.received: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
-        self._shipped_local: dict[int, dict[str, torch.Tensor]] = {}
         self._params = dict(trainer.model.named_parameters())
         self.bases: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
         """Per fragment, the global (round, parameters) the replica last took over: the
         base its delta is taken against (the global state may have moved on since)."""
-        self.awaiting: dict[tuple[int, int], InFlight] = {}
-        """Deltas a synchronizer reported merged, until the canonical record settles them."""
         self.committed: queue.SimpleQueue[tuple[int, int, frozenset[str]]] = queue.SimpleQueue()
-        """(fragment, round, contributors) of each committed round the replica reached."""
-        self.pending: dict[int, InFlight] = {}
-        """Per fragment, a late delta waiting for its round to be committed here."""
+        """(fragment, round, contributors) of each committed round the replica reached,
+        again when a rival record wins a round later."""
         self.booked: dict[tuple[int, int], InFlight] = {}
-        """The last deltas booked as merged, kept in case a rival record wins their round."""
+        """Deltas decided merged, kept in case a rival record without them wins their round."""
+        self.folded: dict[tuple[int, int], InFlight] = {}
+        """Deltas decided folded, kept in case a rival record with them wins their round."""
         state.listeners.append(lambda fragment, round_id: self.received.put((fragment, round_id)))
-        self.load_global_into_model(range(num_fragments))
+        for fragment in range(num_fragments):
+            self.bases[fragment] = state.fragment_params(fragment)
+        self.restart_from_base(reason="")
 
     # --- the loop -----------------------------------------------------------------------
 
@@ -212,15 +239,15 @@ class Learner:
             # fragments that are due now
             self.send_encoded(block=False)
             self.start_encoding()
-            for fragment in fragments_due(
+            scheduled = fragments_due(
                 self.progress.step, sync.inner_steps, sync.num_fragments, warm_steps, sync.warm_inner_steps
-            ):
+            )
+            for fragment in sorted(set(scheduled) | self.due):
                 self.stage(fragment)
 
             # results that arrived
             self.collect_outcomes()
             self.take_over_updates()
-            self.retry_pending()
 
             # once in a while
             if self.progress.step % 10 == 0:
@@ -254,13 +281,17 @@ class Learner:
         self.progress.loop_s = time.monotonic() - loop_started
         self.progress.status = "leaving"
 
+    def wrap_up(self) -> None:
+        """After the loop and the last answers: decide what the last answers decide."""
+        self.collect_outcomes()
+        self.take_over_updates()
+
     def _count(self, tokens: int, step_time_s: float) -> None:
         p = self.progress
         p.step += 1
         p.tokens += tokens
-        for fragment in range(len(p.c_tokens)):
-            p.c_tokens[fragment] += tokens
-            p.c_steps[fragment] += 1
+        for ledger in self.ledgers:
+            ledger.count(tokens, p.step)
         p.step_time_s = step_time_s if p.step == 1 else 0.9 * p.step_time_s + 0.1 * step_time_s
         p.tokens_per_s = tokens / max(p.step_time_s, 1e-9)
 
@@ -272,20 +303,22 @@ class Learner:
         self.send_staged([fragment])
 
     def stage(self, fragment: int) -> None:
-        """Start copying this fragment to the host, with the base and counters its delta is
-        taken against; `send_staged` encodes and sends it once the copy landed."""
+        """Start copying this fragment to the host, with the base and claim its delta is
+        taken against; `send_staged` encodes and sends it once the copy landed.
+
+        One delta per base: while the previous one is undecided the fragment is marked due
+        and shipped once it is decided (its steps wait, they are not lost). Nor is a delta
+        taken against a base the replica has already passed: the take-over comes first."""
         busy = fragment in self.in_flight or fragment in self.staged or fragment in self.encoding
-        if busy or self.progress.c_steps[fragment] == 0:
-            return  # the previous one is still on its way; the next schedule takes both
         base_round, base = self.bases[fragment]
-        waiting = self.pending.get(fragment)
-        if waiting is not None and waiting.base_round == base_round:
-            # the new delta is taken against the same base: it carries the waiting one's
-            # progress too, so sending both would count that progress twice
-            del self.pending[fragment]
+        if busy or self.state.round_of(fragment) != base_round:
+            self.due.add(fragment)
+            return
+        self.due.discard(fragment)
+        if self.ledgers[fragment].steps == 0:
+            return
         copy = self.trainer.host.stage({n: self._params[n] for n in base})
-        tokens, steps = self.progress.c_tokens[fragment], self.progress.c_steps[fragment]
-        self.staged[fragment] = Staged(copy, base_round, base, tokens, steps)
+        self.staged[fragment] = Staged(copy, base_round, base, self.ledgers[fragment].claim())
 
     def send_staged(self, fragments: Iterable[int] | None = None) -> None:
         """Encode and send the staged fragments (all, or those in `fragments`) now."""
@@ -314,18 +347,19 @@ class Learner:
                     fragment,
                 )
                 self.on_event({"event": "local_reset", "fragment": fragment})
-                self.load_global_into_model([fragment])
-                self.progress.c_tokens[fragment] = self.progress.c_steps[fragment] = 0
+                self.restart_from_base([fragment], reason="non_finite")
                 continue
-            if encoded.local is not None:
-                self._shipped_local[fragment] = encoded.local
+            claim = staged.claim
             item = InFlight(
                 future=Future(),
                 target_round=staged.base_round,
                 base_round=staged.base_round,
-                tokens=staged.tokens,
-                steps=staged.steps,
+                tokens=claim.tokens,
+                steps=claim.steps,
                 tensors=encoded.tensors,
+                first_step=claim.first_step,
+                last_step=claim.last_step,
+                progress=encoded.progress,
             )
             self._send(fragment, item)
 
@@ -342,7 +376,7 @@ class Learner:
             return Encoded(staged, None, None)
         tensors = compress.encode_tensors(self.codec, delta, self.feedback)
         rebase = self.config.sync.on_receive == "rebase"
-        return Encoded(staged, tensors, {n: t.clone() for n, t in local.items()} if rebase else None)
+        return Encoded(staged, tensors, {n: -t for n, t in delta.items()} if rebase else None)
 
     def _send(self, fragment: int, item: InFlight) -> None:
         message = wire.Message(
@@ -372,6 +406,8 @@ class Learner:
                 "base_round": item.base_round,
                 "tokens": item.tokens,
                 "steps": item.steps,
+                "first_step": item.first_step,
+                "last_step": item.last_step,
             }
         )
         log.info(
@@ -386,18 +422,18 @@ class Learner:
     # --- results that arrived -----------------------------------------------------------
 
     def collect_outcomes(self) -> None:
-        """Book finished contributions; resend a late one once to the next round."""
+        """Read the synchronizers' answers; decide the deltas an answer decides."""
         for fragment, item in list(self.in_flight.items()):
-            if not item.future.done():
+            if item.reply or not item.future.done():
                 continue
-            del self.in_flight[fragment]
             try:
                 outcome: Outcome = item.future.result()
             except Exception as exc:  # noqa: BLE001 - a network fault is a missed window
                 log.warning("contribution failed fragment=%d error=%r", fragment, exc)
-                continue
+                outcome = Outcome("failed", item.target_round, fragment, reason=repr(exc)[:200])
+            item.reply, item.replied_at, item.weight = outcome.status, time.monotonic(), outcome.weight
             self.progress.bytes_received += outcome.bytes_received
-            if outcome.status in (MERGED, LATE):
+            if outcome.latency_s > 0.0:
                 self.progress.latencies_s.append(outcome.latency_s)
             self.on_event(
                 {
@@ -410,52 +446,87 @@ class Learner:
                     "reason": outcome.reason,
                 }
             )
-            if outcome.status == MERGED:
-                item.weight = outcome.weight
-                self.awaiting[(fragment, item.target_round)] = item
-                self.progress.status = "training"
-            elif outcome.status == LATE:
-                self.resend(fragment, item)
-            else:
-                self.progress.status = "training"
+            self.progress.status = "training"
+            if outcome.status == REJECTED:
+                # the swarm refused this work: folding it would send it again, and bigger
+                self._decide(fragment, item, lost=f"refused: {outcome.reason}"[:120])
+            elif outcome.status != MERGED and outcome.status not in AMBIGUOUS:
+                self._decide(fragment, item, merged=False, why=outcome.status)
+        self._decide_ambiguous()
         self.settle()
 
-    def resend(self, fragment: int, item: InFlight) -> None:
-        """A delta that no committed round holds goes to the next round, once, if not too
-        stale. If that round is not committed here yet (the window was still closing), the
-        delta waits for it (`retry_pending`); if it can go nowhere, it is reported dropped."""
-        next_round = self.state.round_of(fragment)
-        stale = next_round - item.base_round > self.config.sync.max_staleness_rounds
-        if item.resent or stale or not item.tensors:
-            self._drop(fragment, item)
-        elif next_round <= item.target_round or fragment in self.in_flight:
-            self.pending[fragment] = item
+    def _decide_ambiguous(self) -> None:
+        """Fold a delta whose synchronizer went silent once its round's deadline passed
+        without a record listing it (a record that lists it later moves it out again)."""
+        patience_s = self.config.sync.round_deadline_s
+        for fragment, item in list(self.in_flight.items()):
+            if item.reply in AMBIGUOUS and time.monotonic() - item.replied_at > patience_s:
+                self._decide(fragment, item, merged=False, why=item.reply)
+
+    def _decide(
+        self, fragment: int, item: InFlight, merged: bool = False, why: str = "", lost: str = ""
+    ) -> None:
+        """The fate of the delta shipped against the current base: merged (its progress
+        leaves the model), folded (it stays, the next delta carries it) or lost."""
+        del self.in_flight[fragment]
+        key = (fragment, item.target_round)
+        ledger = self.ledgers[fragment]
+        progress = item.progress
+        item.progress = None  # decided: from now on only the encoded tensors are kept
+        if lost:
+            if progress is not None:
+                move_progress(self._params, progress, -1)
+                self.trainer.params_written(list(progress))
+            ledger.leave(item.claim)
+            self._report_lost(fragment, item.claim, lost)
+        elif merged:
+            if progress is not None:
+                move_progress(self._params, progress, -1)
+                self.trainer.params_written(list(progress))
+            ledger.leave(item.claim)
+            self._book(key, item, +1)
         else:
-            self.progress.status = "straggling"
-            self.on_event({"event": "resent", "fragment": fragment, "round": item.target_round, "to": next_round})
-            item.target_round, item.resent = next_round, True
-            self._send(fragment, item)
+            # the error-feedback residual of a delta nobody merged would count twice
+            if self.feedback is not None:
+                for name in self.bases[fragment][1]:
+                    self.feedback.reset(name)
+            self.folded[key] = item
+            self.on_event(
+                {
+                    "event": "delta_folded",
+                    "fragment": fragment,
+                    "round": item.target_round,
+                    "tokens": item.tokens,
+                    "steps": item.steps,
+                    "reason": why,
+                }
+            )
+        self._prune_decided()
 
-    def _drop(self, fragment: int, item: InFlight) -> None:
-        self.progress.status = "training"
-        self.on_event({"event": "delta_dropped", "fragment": fragment, "round": item.target_round})
-
-    def retry_pending(self) -> None:
-        """Resend deltas that waited for their round to be committed here."""
-        for fragment, item in list(self.pending.items()):
-            if fragment in self.in_flight:
-                continue
-            if self.state.round_of(fragment) > item.target_round or (
-                self.state.round_of(fragment) - item.base_round
-                > self.config.sync.max_staleness_rounds
-            ):
-                del self.pending[fragment]
-                self.resend(fragment, item)
+    def _report_lost(self, fragment: int, claim: Claim, reason: str) -> None:
+        """Steps that no update will carry: counted by reason and said (invariant 6)."""
+        if claim.steps <= 0:
+            return
+        key = reason.split(":")[0]
+        lost = self.progress.lost_steps
+        lost[key] = lost.get(key, 0) + claim.steps
+        log.warning("steps lost fragment=%d steps=%d reason=%s", fragment, claim.steps, reason)
+        self.on_event(
+            {
+                "event": "steps_lost",
+                "fragment": fragment,
+                "steps": claim.steps,
+                "tokens": claim.tokens,
+                "first_step": claim.first_step,
+                "last_step": claim.last_step,
+                "reason": reason,
+            }
+        )
 
     def settle(self) -> None:
-        """Book merged deltas by the canonical record of their round (as the DHT holds it);
-        resend those only a losing rival update merged, and un-book one whose round a
-        rival took over after it was booked."""
+        """Follow the canonical records of rounds already decided here: if a rival record
+        wins a round, a delta booked merged in it comes back into the local progress, and
+        a folded delta that the winner lists leaves it."""
         while True:
             try:
                 fragment, round_id, contributors = self.committed.get_nowait()
@@ -463,48 +534,75 @@ class Learner:
                 break
             key = (fragment, round_id)
             listed = self.peer_id in contributors
-            item = self.awaiting.pop(key, None)
-            if item is not None and listed:
+            undecided = self.in_flight.get(fragment)
+            if undecided is not None and undecided.target_round == round_id:
+                continue  # the take-over decides it by the same record
+            if key in self.booked and not listed:
+                log.warning("a rival update took round=%d fragment=%d", round_id, fragment)
+                self._flip(fragment, self._book(key, self.booked[key], -1), +1)
+            elif key in self.folded and listed:
+                log.warning("the record of round=%d fragment=%d lists a folded delta", round_id, fragment)
+                item = self.folded.pop(key)
+                self._flip(fragment, item, -1)
                 self._book(key, item, +1)
-            elif item is not None:
-                log.warning(
-                    "delta not in the committed round fragment=%d round=%d: resending",
-                    fragment, round_id,
-                )
-                self.resend(fragment, item)
-            elif key in self.booked and not listed:
-                log.warning("a rival update took round=%d fragment=%d: resending", round_id, fragment)
-                self.resend(fragment, self._book(key, self.booked[key], -1))
-        self._prune_booked()
+        self._prune_decided()
+
+    def _flip(self, fragment: int, item: InFlight, sign: int) -> None:
+        """Move a decided delta's progress back into the model (+1) or out of it (-1)."""
+        ledger = self.ledgers[fragment]
+        if not item.tensors:
+            if sign > 0:  # too stale to keep: its work is gone with the rival's round
+                self._report_lost(fragment, item.claim, "rival_record")
+            return
+        delta = compress.decode_tensors(item.tensors, finite=False)
+        move_progress(self._params, {n: -t for n, t in delta.items()}, sign)
+        self.trainer.params_written(list(delta))
+        if sign > 0:
+            ledger.come_back(item.claim)
+        else:
+            ledger.leave(item.claim)
+        self.on_event(
+            {"event": "delta_unmerged" if sign > 0 else "delta_merged_late", "fragment": fragment,
+             "round": item.target_round, "steps": item.steps, "tokens": item.tokens}
+        )  # fmt: skip
 
     def _book(self, key: tuple[int, int], item: InFlight, sign: int) -> InFlight:
         """Count (+1) or un-count (-1) a merged delta; a counted one is kept in `booked`."""
         self.progress.rounds_contributed += sign
         self.progress.tokens_contributed += sign * item.tokens
+        self.progress.steps_contributed += sign * item.steps
         if sign > 0:
             self.progress.last_weight = item.weight
-            self.booked[key] = item  # bounded by `settle`, which prunes after booking
+            self.booked[key] = item  # bounded by `_prune_decided`
+            self.on_event(
+                {"event": "delta_merged", "fragment": key[0], "round": key[1], "tokens": item.tokens,
+                 "steps": item.steps, "first_step": item.first_step, "last_step": item.last_step,
+                 "weight": item.weight}
+            )  # fmt: skip
         else:
             self.booked.pop(key, None)
         return item
 
-    def _prune_booked(self) -> None:
-        """Bound what booked deltas hold. A delta whose base is more than
-        `max_staleness_rounds` behind its fragment can no longer be resent, so a rival
-        taking its round only un-books it: its encoded tensors go (at `150m` one is 76 MB,
-        and 16 were kept). At most `BOOKED_PER_FRAGMENT` bookings a fragment stay."""
+    def _prune_decided(self) -> None:
+        """Bound what decided deltas hold. One whose base is more than
+        `max_staleness_rounds` behind its fragment will not see a rival any more that
+        could still matter: its encoded tensors go (at `150m` one is 76 MB). At most
+        `KEPT_PER_FRAGMENT` of each kind a fragment stay."""
         limit = self.config.sync.max_staleness_rounds
-        kept: dict[int, int] = {}
-        for key in sorted(self.booked, key=lambda k: -k[1]):  # newest rounds first
-            fragment, item = key[0], self.booked[key]
-            kept[fragment] = kept.get(fragment, 0) + 1
-            if kept[fragment] > BOOKED_PER_FRAGMENT:
-                del self.booked[key]
-            elif item.tensors and self.state.round_of(fragment) - item.base_round > limit:
-                item.tensors = {}
+        for kept in (self.booked, self.folded):
+            count: dict[int, int] = {}
+            for key in sorted(kept, key=lambda k: -k[1]):  # newest rounds first
+                fragment, item = key[0], kept[key]
+                count[fragment] = count.get(fragment, 0) + 1
+                if count[fragment] > KEPT_PER_FRAGMENT:
+                    del kept[key]
+                elif item.tensors and self.state.round_of(fragment) - item.base_round > limit:
+                    item.tensors = {}
 
     def take_over_updates(self) -> None:
-        """Take over fragments whose global update was applied; reset their counters."""
+        """Take over fragments whose global update was applied: the update goes under the
+        local progress, and the delta shipped against the old base is decided by the
+        canonical record of its round."""
         updated = set()
         while True:
             try:
@@ -515,9 +613,6 @@ class Learner:
         if not updated:
             return
         self.load_global_into_model(sorted(updated))
-        for fragment in updated:
-            self.progress.c_tokens[fragment] = 0
-            self.progress.c_steps[fragment] = 0
         if 0 in updated and self.eval_set:
             self.progress.eval_loss = self.evaluate_global()
             self.on_event(
@@ -530,29 +625,43 @@ class Learner:
             )
 
     @torch.no_grad()
-    def load_global_into_model(self, fragments) -> None:
-        """On receive: rebase the progress since shipping (default), overwrite, or mix."""
+    def load_global_into_model(self, fragments: Iterable[int]) -> None:
+        """On receive: rebase all local progress onto the new global (default), or
+        overwrite / mix (the local progress is then reported lost); then decide the
+        shipped delta whose round the replica has passed."""
         mode, alpha = self.config.sync.on_receive, self.config.sync.mix_alpha
         fragments = list(fragments)
         self.send_staged(fragments)  # a staged delta is taken before its fragment changes
         written = []
         for fragment in fragments:
-            base_round, global_params = self.state.fragment_params(fragment)
-            self.bases[fragment] = (base_round, global_params)
-            shipped = self._shipped_local.pop(fragment, None)
-            for name, value in global_params.items():
-                param = self._params[name]
-                target = value.to(param.device, param.dtype)
-                if mode == "mix":
-                    param.mul_(1 - alpha).add_(target, alpha=alpha)
-                elif mode == "rebase" and shipped is not None:
-                    progress_since_ship = param.detach() - shipped[name].to(
-                        param.device, param.dtype
-                    )
-                    param.copy_(target + progress_since_ship)
-                else:
-                    param.copy_(target)
+            old_round, old_base = self.bases[fragment]
+            new_round, new_base = self.state.fragment_params(fragment)
+            take_over(self._params, old_base, new_base, mode, alpha)
+            self.bases[fragment] = (new_round, new_base)
+            written.extend(new_base)
+            item = self.in_flight.get(fragment)
+            if item is not None and item.target_round < new_round:
+                listed = self.contributors_of(fragment, item.target_round)
+                merged = item.reply == MERGED if listed is None else self.peer_id in listed
+                self._decide(fragment, item, merged=merged, why=item.reply or "not in the record")
+            if mode != "rebase":
+                self._report_lost(fragment, self.ledgers[fragment].clear(), mode)
+        self.trainer.params_written(written)
+
+    @torch.no_grad()
+    def restart_from_base(self, fragments: Iterable[int] | None = None, reason: str = "restart") -> None:
+        """Set the fragments' local parameters to their base (no local progress): at start,
+        after a checkpoint restore (its local progress stood on a base this process does
+        not know), or after a non-finite delta. Their local work is reported lost."""
+        fragments = range(self.state.num_fragments) if fragments is None else list(fragments)
+        written = []
+        for fragment in fragments:
+            for name, value in self.bases[fragment][1].items():
+                self._params[name].copy_(value.to(self._params[name].device, self._params[name].dtype))
                 written.append(name)
+            lost = self.ledgers[fragment].clear()
+            if reason:
+                self._report_lost(fragment, lost, reason)
         self.trainer.params_written(written)
 
     def evaluate_global(self) -> float:

@@ -130,6 +130,8 @@ class PeerDaemon:
             self.emit({"ready": True, "peer_id": self.transport.peer_id, "maddrs": self.transport.visible_maddrs()})
             if self.options.checkpoint_dir:
                 restored = load_learner(self.options.checkpoint_dir, parts.learner, self.config_hash)
+                if restored:  # its local progress stood on a base this process never saw
+                    parts.learner.restart_from_base(reason="restart")
                 event = "checkpoint_loaded" if restored else "checkpoint_none"
                 self.emit({"event": event, "step": parts.learner.progress.step})
             self._on_loop(self._wait_for_peers(), self.options.wait_peers_timeout_s + 60)
@@ -152,6 +154,7 @@ class PeerDaemon:
             # Asked to leave (Ctrl-C): a short wait, the user is waiting; at the end of
             # the run: longer, the last round may still close.
             self._finish_in_flight(10.0 if self.stop_event.is_set() else 30.0)
+            parts.learner.wrap_up()
             self._checkpoint()
             self.emit({"event": "summary", **self.summary()})
             return 0
@@ -218,7 +221,10 @@ class PeerDaemon:
         def submit(fragment: int, target_round: int, frame: bytes) -> Future[Outcome]:
             return asyncio.run_coroutine_threadsafe(contribute(fragment, target_round, frame), self.loop)
 
-        learner = Learner(peer_id, options.run, config, trainer, batches, state, submit, eval_set, on_event=self.emit)
+        learner = Learner(
+            peer_id, options.run, config, trainer, batches, state, submit, eval_set,
+            on_event=self.emit, contributors_of=replicas.contributors_of,
+        )  # fmt: skip
         replicas.on_committed.append(
             lambda f, r, record: learner.committed.put((f, r, frozenset(c[0] for c in record.contributors)))
         )
@@ -331,6 +337,10 @@ class PeerDaemon:
             "rounds": list(state.rounds),
             "rounds_contributed": p.rounds_contributed,
             "tokens_contributed": p.tokens_contributed,
+            "steps_contributed": p.steps_contributed,
+            "local_steps": [ledger.steps for ledger in parts.learner.ledgers],
+            "undecided_steps": {f: item.steps for f, item in parts.learner.in_flight.items()},
+            "lost_steps": dict(p.lost_steps),
             "bytes_sent": p.bytes_sent,
             "bytes_received": p.bytes_received + parts.link.bytes_received + parts.replicas.bytes_received,
             "latencies_s": p.latencies_s,

@@ -324,6 +324,12 @@ class ReplicaSync:
         """The canonical record of (round, fragment) as last read, if any."""
         return self.chains[fragment].get(round_id)
 
+    def contributors_of(self, fragment: int, round_id: int) -> frozenset[str] | None:
+        """Peers the record this replica applied (or last read) for the round lists, or
+        None when none is known (any thread: one dict read)."""
+        record = self.chains[fragment].get(round_id)
+        return None if record is None else frozenset(c[0] for c in record.contributors)
+
     def _on_canonical_branch(self, fragment: int, chain: dict[int, RoundRecord]) -> bool:
         """True unless some round this replica applied differs from the chain's record."""
         if any(digest in self.void for digest in self.applied[fragment].values()):
@@ -390,6 +396,8 @@ class ReplicaSync:
         update = await self._fetch(record)
         if update is None:
             return False
+        # the record applied is the one a learner asks about once the round is passed
+        self.chains[record.fragment][record.round] = record
         loop = asyncio.get_running_loop()
         norm = await loop.run_in_executor(self.worker, outer_gradient_norm, update)
         if self._should_audit(record, norm):

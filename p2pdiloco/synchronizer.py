@@ -54,6 +54,7 @@ from p2pdiloco.windows import (
     Wait,
     WindowMachine,
     clamp_tokens,
+    overlap_steps_of,
     staleness_rejection,
 )
 
@@ -379,7 +380,7 @@ class Synchronizer:
                     better_placed=self.elected_elsewhere(machine.round, machine.fragment, window.unreachable),
                     step_time_s=self.step_time.get(claimed),
                     sync_time_s=self.sync_time.get(0.0),
-                    overlap_steps=sync.overlap_steps,
+                    overlap_steps=overlap_steps_of(sync.overlap_steps, sync.inner_steps, sync.on_receive),
                     gamma=sync.grace_gamma,
                     max_grace_s=sync.max_grace_s,
                 )

@@ -51,6 +51,22 @@ def grace_window_s(
     return grace if math.isfinite(grace) else 0.0  # NaN from 0 * inf, or an unbounded max
 
 
+def overlap_steps_of(overlap_steps: int, inner_steps: int, on_receive: str) -> int:
+    """tau of Eq. 3: the inner steps learners really overlap with one synchronisation.
+
+    With `rebase` a learner never waits and loses nothing while its delta is away: it
+    keeps stepping until its next ship, H steps later, and a wait inside that cycle costs
+    it no step (they are rebased under the update). So tau is H (the configured
+    `overlap_steps` if larger). With `overwrite`/`mix` the steps taken while waiting are
+    thrown away, so only the configured tau is free. Before (tau = 2 for every mode) the
+    slack was negative whenever a commit took longer than two steps: grace was always 0
+    and with K < N half the deltas were late by construction (issue 26).
+    """
+    if on_receive == "rebase":
+        return max(overlap_steps, inner_steps)
+    return overlap_steps
+
+
 def _finite(value: object) -> bool:
     """A real number that is neither NaN nor infinite (bools are not numbers here)."""
     return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)

@@ -80,7 +80,7 @@ def test_a_staged_fragment_is_shipped_as_it_was_when_staged(tiny_config, tiny_co
 
     learner = Learner("me", "run", tiny_config, trainer, batches, state, submit, [])
     trainer.step(batches)
-    learner.progress.c_steps[0] = learner.progress.c_tokens[0] = 1
+    learner._count(1, 0.1)
     at_stage = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     learner.stage(0)
     with torch.no_grad():  # the loop sends one step later: the replica has moved on

@@ -38,93 +38,224 @@ def make_learner(tiny_config, tiny_corpus, num_fragments: int = 1):
     return learner, state, sent
 
 
-def test_a_delta_is_taken_against_the_base_the_learner_trained_from(tiny_config, tiny_corpus) -> None:
+def local_params(learner) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in learner.trainer.model.named_parameters()}
+
+
+def train(learner, steps: int = 1) -> None:
+    """Inner steps, counted as the loop counts them."""
+    for _ in range(steps):
+        result = learner.trainer.step(learner.batches)
+        learner._count(result.tokens, 0.1)
+
+
+def apply(state: GlobalState, value: float = 0.01) -> None:
+    """A committed update of the next round of fragment 0."""
+    grad = {n: torch.full_like(t, value) for n, t in state.fragment_params(0)[1].items()}
+    state.apply_update(0, state.round_of(0), grad)
+
+
+def sent_delta(sent, index: int = -1) -> tuple[wire.Message, dict[str, torch.Tensor]]:
+    msg = wire.decode_message(sent[index][2], wire.WireLimits())
+    return msg, compress.decode_tensors(msg.tensors)
+
+
+def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-5) -> bool:
+    return all(torch.allclose(a[n], b[n], atol=atol) for n in b)
+
+
+def test_a_delta_is_never_taken_against_a_base_the_replica_has_passed(tiny_config, tiny_corpus) -> None:
+    """The global state moves on before the loop took it over: the ship waits for the
+    take-over, and the delta then carries all the local progress against the new base."""
     learner, state, sent = make_learner(tiny_config, tiny_corpus)
     base_before = {n: t.clone() for n, t in state.fragment_params(0)[1].items()}
-    learner.trainer.step(learner.batches)
-    learner.progress.c_steps[0] = learner.progress.c_tokens[0] = 1
-    # the global state moves on (an update applied) before the loop takes it over
-    grad = {n: torch.full_like(t, 0.01) for n, t in base_before.items()}
-    state.apply_update(0, 0, grad)
+    train(learner)
+    local_before = local_params(learner)
+    apply(state)
     learner.ship(0)
-    (_, target, frame, _) = sent[0]
-    msg = wire.decode_message(frame, wire.WireLimits())
-    assert msg.meta["base_round"] == 0 and target == 0
-    delta = compress.decode_tensors(msg.tensors)
-    local = {n: p.detach() for n, p in learner.trainer.model.named_parameters()}
-    for name, tensor in delta.items():
-        expected = base_before[name] - local[name]
-        assert torch.allclose(tensor, expected, atol=0.05), name
+    assert sent == [] and learner.due == {0}
+    learner.take_over_updates()
+    learner.ship(0)
+    msg, delta = sent_delta(sent)
+    assert msg.meta["base_round"] == 1 and sent[0][1] == 1
+    assert msg.meta["steps"] == 1
+    expected = {n: base_before[n] - local_before[n] for n in delta}
+    assert close(delta, expected, atol=0.05)
 
 
-def test_merged_delta_is_booked_only_when_the_committed_record_lists_it(tiny_config, tiny_corpus) -> None:
+def test_merged_delta_is_booked_and_leaves_the_model_only_when_the_record_lists_it(
+    tiny_config, tiny_corpus
+) -> None:
+    listed: dict[tuple[int, int], frozenset[str]] = {}
     learner, state, sent = make_learner(tiny_config, tiny_corpus)
-    learner.progress.c_steps[0] = learner.progress.c_tokens[0] = 5
+    learner.contributors_of = lambda f, r: listed.get((f, r))
+    train(learner, 3)
+    shipped_local = local_params(learner)
     learner.ship(0)
     sent[0][3].set_result(Outcome("merged", 0, 0, "sync", 0.5))
     learner.collect_outcomes()
     assert learner.progress.rounds_contributed == 0, "a reply alone books nothing"
-    learner.committed.put((0, 0, frozenset({"me", "other"})))
-    learner.settle()
-    assert learner.progress.rounds_contributed == 1 and learner.progress.tokens_contributed == 5
-    # a rival record wins round 0 later: the delta is un-booked and sent again
-    state.apply_update(0, 0, {n: torch.zeros_like(t) for n, t in state.fragment_params(0)[1].items()})
-    learner.committed.put((0, 0, frozenset({"other"})))
-    learner.settle()
-    assert learner.progress.rounds_contributed == 0 and learner.progress.tokens_contributed == 0
-    assert [t for (_, t, _, _) in sent] == [0, 1], "resent once, to the next round"
+    train(learner, 2)
+    before = local_params(learner)
+    listed[(0, 0)] = frozenset({"me", "other"})
+    apply(state)
+    learner.take_over_updates()
+    p = learner.progress
+    assert p.rounds_contributed == 1 and p.steps_contributed == 3
+    assert learner.ledgers[0].steps == 2, "the two steps since the ship stay local, claimed"
+    new_base = state.fragment_params(0)[1]
+    # theta <- g + (theta - shipped): the steps since the ship, on the new global
+    assert close(local_params(learner), {n: new_base[n] + before[n] - shipped_local[n] for n in new_base})
 
 
-def test_booked_deltas_drop_their_tensors_once_too_stale_to_resend(tiny_config, tiny_corpus) -> None:
-    """A booked delta is kept so a rival record taking its round can send it again; once
-    its base is more than `max_staleness_rounds` behind, it could only be dropped, so only
-    its counters stay. Bookings are bounded per fragment (they were bounded over all
-    fragments by (fragment, round) order, which evicted fragment 0's newest first)."""
-    from p2pdiloco.learner import BOOKED_PER_FRAGMENT, InFlight
+def test_a_second_update_before_the_next_ship_keeps_every_local_step(tiny_config, tiny_corpus) -> None:
+    """Issue 26 A: the old fallback overwrote the replica when a second update came
+    before the next ship, throwing every step since the last ship away."""
+    listed = {(0, 0): frozenset({"me"}), (0, 1): frozenset({"other"})}
+    learner, state, sent = make_learner(tiny_config, tiny_corpus)
+    learner.contributors_of = lambda f, r: listed.get((f, r))
+    train(learner, 2)
+    shipped_local = local_params(learner)
+    learner.ship(0)
+    sent[0][3].set_result(Outcome("merged", 0, 0, "sync", 1.0))
+    train(learner, 1)
+    learner.collect_outcomes()
+    after_ship = local_params(learner)
+    apply(state)
+    learner.take_over_updates()
+    first = state.fragment_params(0)[1]
+    assert close(local_params(learner), {n: first[n] + after_ship[n] - shipped_local[n] for n in first})
+    train(learner, 1)
+    before = local_params(learner)
+    apply(state, 0.02)  # another learner's round: nothing of ours shipped against it
+    learner.take_over_updates()
+    second = state.fragment_params(0)[1]
+    assert close(local_params(learner), {n: second[n] + before[n] - first[n] for n in second})
+    assert learner.ledgers[0].steps == 2 and learner.progress.lost_steps == {}
+
+
+@pytest.mark.parametrize("status", ["late", "no_quorum", "behind"])
+def test_a_delta_no_round_merged_is_folded_into_the_next_one(tiny_config, tiny_corpus, status) -> None:
+    learner, state, sent = make_learner(tiny_config, tiny_corpus)
+    events: list[dict] = []
+    learner.on_event = events.append
+    base_before = {n: t.clone() for n, t in state.fragment_params(0)[1].items()}
+    train(learner, 2)
+    learner.ship(0)
+    sent[0][3].set_result(Outcome(status, 0, 0, "sync"))
+    learner.collect_outcomes()
+    assert 0 not in learner.in_flight and (0, 0) in learner.folded
+    assert [e["reason"] for e in events if e["event"] == "delta_folded"] == [status]
+    train(learner, 1)
+    local_before = local_params(learner)
+    if status == "late":
+        apply(state)  # the round closed without us
+        learner.take_over_updates()
+    learner.ship(0)
+    msg, delta = sent_delta(sent)
+    assert msg.meta["steps"] == 3 and learner.ledgers[0].steps == 3, "one claim carries all three"
+    assert close(delta, {n: base_before[n] - local_before[n] for n in delta}, atol=0.05)
+    assert learner.progress.lost_steps == {}
+
+
+def test_a_refused_delta_is_reported_lost_and_leaves_the_model(tiny_config, tiny_corpus) -> None:
+    learner, state, sent = make_learner(tiny_config, tiny_corpus)
+    events: list[dict] = []
+    learner.on_event = events.append
+    train(learner, 2)
+    shipped_local = local_params(learner)
+    learner.ship(0)
+    train(learner, 1)
+    before = local_params(learner)
+    sent[0][3].set_result(Outcome("rejected", 0, 0, "sync", reason="norm above the refusal"))
+    learner.collect_outcomes()
+    base = state.fragment_params(0)[1]
+    assert close(local_params(learner), {n: base[n] + before[n] - shipped_local[n] for n in base})
+    assert learner.progress.lost_steps == {"refused": 2} and learner.ledgers[0].steps == 1
+    lost = [e for e in events if e["event"] == "steps_lost"]
+    assert lost and lost[0]["steps"] == 2 and lost[0]["reason"].startswith("refused")
+
+
+def test_a_rival_record_moves_a_decided_delta_back_or_out(tiny_config, tiny_corpus) -> None:
+    """Merged in a record that then lost its round: the progress comes back, claimed.
+    Folded, and the record that wins lists it after all: it leaves the model, booked."""
+    config = dataclasses.replace(tiny_config, compress=dataclasses.replace(tiny_config.compress, codec="fp32"))
+    listed = {(0, 0): frozenset({"me"})}
+    learner, state, sent = make_learner(config, tiny_corpus)
+    learner.contributors_of = lambda f, r: listed.get((f, r))
+    train(learner, 2)
+    learner.ship(0)
+    sent[0][3].set_result(Outcome("merged", 0, 0, "sync", 1.0))
+    learner.collect_outcomes()
+    apply(state)
+    learner.take_over_updates()
+    settled = local_params(learner)
+    _, delta = sent_delta(sent)
+    learner.committed.put((0, 0, frozenset({"rival"})))
+    learner.settle()
+    assert learner.progress.rounds_contributed == 0 and learner.ledgers[0].steps == 2
+    assert close(local_params(learner), {n: settled[n] - delta[n] for n in delta})
+    assert (0, 0) not in learner.booked
+    # and the other way round: a folded delta whose round a record listing it wins
+    train(learner, 1)
+    learner.ship(0)
+    sent[-1][3].set_result(Outcome("late", 1, 0, "sync"))
+    learner.collect_outcomes()
+    assert (0, 1) in learner.folded
+    folded_local = local_params(learner)
+    _, delta = sent_delta(sent)
+    learner.committed.put((0, 1, frozenset({"me"})))
+    learner.settle()
+    assert learner.progress.rounds_contributed == 1 and learner.ledgers[0].steps == 0
+    assert close(local_params(learner), {n: folded_local[n] + delta[n] for n in delta})
+
+
+def test_overwrite_reports_the_local_steps_it_throws_away(tiny_config, tiny_corpus) -> None:
+    config = dataclasses.replace(tiny_config, sync=dataclasses.replace(tiny_config.sync, on_receive="overwrite"))
+    learner, state, _ = make_learner(config, tiny_corpus)
+    train(learner, 3)
+    apply(state)
+    learner.take_over_updates()
+    assert learner.progress.lost_steps == {"overwrite": 3} and learner.ledgers[0].steps == 0
+    assert close(local_params(learner), state.fragment_params(0)[1])
+
+
+def test_decided_deltas_drop_their_tensors_once_too_stale_to_matter(tiny_config, tiny_corpus) -> None:
+    """Decided deltas are kept so a rival record can move them back or out; once their
+    base is more than `max_staleness_rounds` behind only their claims stay. At most
+    `KEPT_PER_FRAGMENT` a fragment are kept."""
+    from p2pdiloco.learner import KEPT_PER_FRAGMENT, InFlight
 
     learner, state, _ = make_learner(tiny_config, tiny_corpus, num_fragments=2)
     zeros = {n: torch.zeros_like(t) for n, t in state.fragment_params(0)[1].items()}
     tensors = {"w": compress.make_codec("int8").encode(torch.ones(4))}
     limit = tiny_config.sync.max_staleness_rounds
-    for round_id in range(BOOKED_PER_FRAGMENT + 4):
-        item = InFlight(Future(), round_id, round_id, tokens=1, steps=1, tensors=dict(tensors))
-        learner._book((0, round_id), item, +1)
+    for round_id in range(KEPT_PER_FRAGMENT + 4):
+        learner._book((0, round_id), InFlight(Future(), round_id, round_id, 1, 1, dict(tensors)), +1)
         learner._book((1, round_id), InFlight(Future(), round_id, round_id, 1, 1, dict(tensors)), +1)
         state.apply_update(0, round_id, zeros)
     learner.settle()  # the loop settles every iteration, and prunes then
     current = state.round_of(0)
     rounds_0 = sorted(r for f, r in learner.booked if f == 0)
-    assert len(rounds_0) == BOOKED_PER_FRAGMENT and rounds_0[-1] == current - 1
-    assert len([k for k in learner.booked if k[0] == 1]) == BOOKED_PER_FRAGMENT
+    assert len(rounds_0) == KEPT_PER_FRAGMENT and rounds_0[-1] == current - 1
+    assert len([k for k in learner.booked if k[0] == 1]) == KEPT_PER_FRAGMENT
     for (fragment, round_id), item in learner.booked.items():
         if fragment == 0:
             assert bool(item.tensors) == (current - round_id <= limit), round_id
-    # a rival taking a round whose delta is too stale un-books it and sends nothing
-    assert learner.progress.rounds_contributed == 2 * (BOOKED_PER_FRAGMENT + 4)
+    # a rival taking a round whose delta is too stale un-books it: its steps are reported lost
+    total = 2 * (KEPT_PER_FRAGMENT + 4)
+    assert learner.progress.rounds_contributed == total
     learner.committed.put((0, rounds_0[0], frozenset({"other"})))
     learner.settle()
-    assert learner.progress.rounds_contributed == 2 * (BOOKED_PER_FRAGMENT + 4) - 1
-
-
-def test_a_delta_merged_only_in_a_losing_update_is_resent(tiny_config, tiny_corpus) -> None:
-    learner, state, sent = make_learner(tiny_config, tiny_corpus)
-    learner.progress.c_steps[0] = learner.progress.c_tokens[0] = 5
-    learner.ship(0)
-    sent[0][3].set_result(Outcome("merged", 0, 0, "loser", 1.0))
-    learner.collect_outcomes()
-    state.apply_update(0, 0, {n: torch.zeros_like(t) for n, t in state.fragment_params(0)[1].items()})
-    learner.committed.put((0, 0, frozenset({"winner"})))
-    learner.settle()
-    assert learner.progress.rounds_contributed == 0
-    assert [t for (_, t, _, _) in sent] == [0, 1]
+    assert learner.progress.rounds_contributed == total - 1
+    assert learner.progress.lost_steps == {"rival_record": 1}
 
 
 def test_the_loop_encodes_beside_the_training_thread_and_sends_when_done(tiny_config, tiny_corpus) -> None:
     """The loop hands a staged fragment to the encoder thread and goes on; the fragment is
     busy (not staged again) until the encoded delta was sent."""
     learner, state, sent = make_learner(tiny_config, tiny_corpus)
-    learner.trainer.step(learner.batches)
-    learner.progress.c_steps[0] = learner.progress.c_tokens[0] = 1
+    train(learner)
     release, threads = threading.Event(), []
     encode = learner._encode
 

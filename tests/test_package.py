@@ -16,6 +16,8 @@ PURE_MODULES = [
     "simulate",
     "decoupled",
     "compress",
+    "shapes",
+    "ledger",
     "wire",
     "windows",
     "election",
@@ -37,6 +39,7 @@ PURE_MODULES = [
     "contributions",
     "audit",
     "record_rules",
+    "export",
 ]
 """Modules that must stay network-free: each exists, imports no networking library and
 imports only other pure p2pdiloco modules. A new pure module is added here by hand."""
