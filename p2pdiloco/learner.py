@@ -225,29 +225,8 @@ class Learner:
             )
         loop_started = time.monotonic()
         while not stop.is_set():
-            # every step
             started = time.monotonic()
-            result = self.trainer.step(self.batches)
-            step_s = time.monotonic() - started
-            # the step's wall time includes the rest that follows it: that is how fast this
-            # learner moves, which the synchronizer's grace window (Eq. 3) has to know
-            self._count(result.tokens, step_s / share)
-            self.progress.train_s += step_s
-
-            # ship: send what the encoder finished, hand it what was staged last step (its
-            # host copy ran beside this step's work on an accelerator), then stage the
-            # fragments that are due now
-            self.send_encoded(block=False)
-            self.start_encoding()
-            scheduled = fragments_due(
-                self.progress.step, sync.inner_steps, sync.num_fragments, warm_steps, sync.warm_inner_steps
-            )
-            for fragment in sorted(set(scheduled) | self.due):
-                self.stage(fragment)
-
-            # results that arrived
-            self.collect_outcomes()
-            self.take_over_updates()
+            self.run_step(warm_steps)
 
             # once in a while
             if self.progress.step % 10 == 0:
@@ -280,6 +259,33 @@ class Learner:
             self.on_event({"event": "trainer_finished", **finished})
         self.progress.loop_s = time.monotonic() - loop_started
         self.progress.status = "leaving"
+
+    def run_step(self, warm_steps: int = 0) -> None:
+        """One turn of the loop: an inner step, what is due shipped, results taken over."""
+        sync, share = self.config.sync, self.config.train.compute_share
+        # every step
+        started = time.monotonic()
+        result = self.trainer.step(self.batches)
+        step_s = time.monotonic() - started
+        # the step's wall time includes the rest that follows it: that is how fast this
+        # learner moves, which the synchronizer's grace window (Eq. 3) has to know
+        self._count(result.tokens, step_s / share)
+        self.progress.train_s += step_s
+
+        # ship: send what the encoder finished, hand it what was staged last step (its
+        # host copy ran beside this step's work on an accelerator), then stage the
+        # fragments that are due now (and those whose ship waited for a decision)
+        self.send_encoded(block=False)
+        self.start_encoding()
+        scheduled = fragments_due(
+            self.progress.step, sync.inner_steps, sync.num_fragments, warm_steps, sync.warm_inner_steps
+        )
+        for fragment in sorted(set(scheduled) | self.due):
+            self.stage(fragment)
+
+        # results that arrived
+        self.collect_outcomes()
+        self.take_over_updates()
 
     def wrap_up(self) -> None:
         """After the loop and the last answers: decide what the last answers decide."""
