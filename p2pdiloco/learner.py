@@ -26,9 +26,8 @@ from p2pdiloco import compress, wire
 from p2pdiloco.config import RunConfig
 from p2pdiloco.devices import StagedCopy
 from p2pdiloco.fragments import fragments_due
-from p2pdiloco.learner_link import Outcome
 from p2pdiloco.ledger import Claim, Params, WorkLedger, move_progress, take_over
-from p2pdiloco.messages import MERGED, REJECTED
+from p2pdiloco.messages import MERGED, REJECTED, Outcome
 from p2pdiloco.state import GlobalState
 from p2pdiloco.train import InnerTrainer, evaluate
 
@@ -287,6 +286,13 @@ class Learner:
         self.collect_outcomes()
         self.take_over_updates()
 
+    def ship_remaining(self) -> None:
+        """On leaving: ship the local work of every fragment not already on its way (the
+        last round may still merge it; what it does not stays reported as local)."""
+        for fragment in range(self.state.num_fragments):
+            self.stage(fragment)
+        self.send_staged()
+
     def wrap_up(self) -> None:
         """After the loop and the last answers: decide what the last answers decide."""
         self.collect_outcomes()
@@ -470,10 +476,17 @@ class Learner:
                 self._decide(fragment, item, merged=False, why=item.reply)
 
     def _decide(
-        self, fragment: int, item: InFlight, merged: bool = False, why: str = "", lost: str = ""
+        self,
+        fragment: int,
+        item: InFlight,
+        merged: bool = False,
+        why: str = "",
+        lost: str = "",
+        moved: bool = False,
     ) -> None:
         """The fate of the delta shipped against the current base: merged (its progress
-        leaves the model), folded (it stays, the next delta carries it) or lost."""
+        leaves the model, unless the take-over `moved` it already), folded (it stays, the
+        next delta carries it) or lost."""
         del self.in_flight[fragment]
         key = (fragment, item.target_round)
         ledger = self.ledgers[fragment]
@@ -486,10 +499,11 @@ class Learner:
             ledger.leave(item.claim)
             self._report_lost(fragment, item.claim, lost)
         elif merged:
-            if progress is not None:
+            if progress is not None and not moved:
                 move_progress(self._params, progress, -1)
                 self.trainer.params_written(list(progress))
             ledger.leave(item.claim)
+            self.folded.pop(key, None)  # one delta of ours a round: an earlier one is not it
             self._book(key, item, +1)
         else:
             # the error-feedback residual of a delta nobody merged would count twice
@@ -546,7 +560,7 @@ class Learner:
             if key in self.booked and not listed:
                 log.warning("a rival update took round=%d fragment=%d", round_id, fragment)
                 self._flip(fragment, self._book(key, self.booked[key], -1), +1)
-            elif key in self.folded and listed:
+            elif key in self.folded and listed and key not in self.booked:
                 log.warning("the record of round=%d fragment=%d lists a folded delta", round_id, fragment)
                 item = self.folded.pop(key)
                 self._flip(fragment, item, -1)
@@ -642,14 +656,17 @@ class Learner:
         for fragment in fragments:
             old_round, old_base = self.bases[fragment]
             new_round, new_base = self.state.fragment_params(fragment)
-            take_over(self._params, old_base, new_base, mode, alpha)
-            self.bases[fragment] = (new_round, new_base)
-            written.extend(new_base)
             item = self.in_flight.get(fragment)
+            merged = None
             if item is not None and item.target_round < new_round:
                 listed = self.contributors_of(fragment, item.target_round)
                 merged = item.reply == MERGED if listed is None else self.peer_id in listed
-                self._decide(fragment, item, merged=merged, why=item.reply or "not in the record")
+            leaving = item.progress if merged and item is not None else None
+            take_over(self._params, old_base, new_base, mode, alpha, leaving)
+            self.bases[fragment] = (new_round, new_base)
+            written.extend(new_base)
+            if merged is not None and item is not None:
+                self._decide(fragment, item, merged=merged, why=item.reply or "not in the record", moved=True)
             if mode != "rebase":
                 self._report_lost(fragment, self.ledgers[fragment].clear(), mode)
         self.trainer.params_written(written)

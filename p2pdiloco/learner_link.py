@@ -16,13 +16,13 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from p2pdiloco import messages, wire
 from p2pdiloco.config import SyncConfig
 from p2pdiloco.contributions import seal_contribution
 from p2pdiloco.election import synchronizer_order
 from p2pdiloco.membership import Heartbeat, synchronizer_candidates
+from p2pdiloco.messages import Outcome
 from p2pdiloco.replica_sync import ReplicaSync
 from p2pdiloco.rounds import RoundRecord, open_record
 from p2pdiloco.transport.base import Transport, TransportError, transfer_timeout_s
@@ -42,23 +42,6 @@ def with_unreachable(frame: bytes, unreachable: list[str], limits: wire.WireLimi
         return frame
     meta = {**message.meta, "unreachable": list(unreachable)}
     return wire.encode_message(dataclasses.replace(message, meta=meta))
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What became of one contribution."""
-
-    status: str
-    """merged, late, no_quorum, rejected, unreachable, behind."""
-    round: int
-    fragment: int
-    synchronizer: str = ""
-    weight: float = 0.0
-    reason: str = ""
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    latency_s: float = 0.0
-    """From handing the delta to the network to holding the round's result, seconds."""
 
 
 class LearnerLink:

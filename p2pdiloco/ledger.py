@@ -101,10 +101,14 @@ def take_over(
     new_base: Mapping[str, torch.Tensor],
     mode: str = "rebase",
     mix_alpha: float = 0.5,
+    leaving: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
     """Put the new global `new_base` under the replica's `params` (in place, by name).
 
-    `rebase`: `theta <- new_base + (theta - old_base)`, all local progress kept.
+    `rebase`: `theta <- new_base + ((theta - old_base) - leaving)`: all local progress
+    kept but `leaving`, the progress of a delta the new global now carries. Computed in
+    that order so a replica that took no step since it shipped lands exactly on
+    `new_base`, bit for bit, as a lockstep learner does.
     `overwrite`: `theta <- new_base`. `mix`: `theta <- (1 - a) theta + a new_base`.
     Names are those of `new_base`; bases are host fp32, params on any device.
     """
@@ -112,7 +116,10 @@ def take_over(
         param = params[name]
         target = target.to(param.device, param.dtype)
         if mode == "rebase":
-            param.add_(target - old_base[name].to(param.device, param.dtype))
+            local = param.detach() - old_base[name].to(param.device, param.dtype)
+            if leaving is not None:
+                local = local - leaving[name].to(param.device, param.dtype)
+            param.copy_(target + local)
         elif mode == "mix":
             param.mul_(1 - mix_alpha).add_(target, alpha=mix_alpha)
         else:

@@ -17,6 +17,7 @@ DHT records: heartbeats (see `membership`) and round records (see `rounds`).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from p2pdiloco import wire
@@ -156,3 +157,20 @@ def decode_reply(
         if isinstance(contributors, wire.Rejected):
             return contributors
     return msg
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What became of one contribution."""
+
+    status: str
+    """merged, late, no_quorum, rejected, unreachable, behind."""
+    round: int
+    fragment: int
+    synchronizer: str = ""
+    weight: float = 0.0
+    reason: str = ""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    latency_s: float = 0.0
+    """From handing the delta to the network to holding the round's result, seconds."""

@@ -153,6 +153,10 @@ class PeerDaemon:
             )
             # Asked to leave (Ctrl-C): a short wait, the user is waiting; at the end of
             # the run: longer, the last round may still close.
+            if self.stop_event.is_set():  # asked to leave mid-run: offer the local work once more
+                parts.learner.collect_outcomes()
+                parts.learner.take_over_updates()
+                parts.learner.ship_remaining()
             self._finish_in_flight(10.0 if self.stop_event.is_set() else 30.0)
             parts.learner.wrap_up()
             self._checkpoint()

@@ -21,6 +21,10 @@ The rules, in the order `screen` applies them:
    the norm of the fragment's parameters (every replica knows it, even in round 0). A
    delta above the threshold is scaled down to it; above `refuse_factor` times the
    threshold it is refused. A lone first-round delta has only the parameter bound: noted.
+   Both bounds grow with the work a delta claims against the median (`work_ratio`): the
+   clip by its bounded tokens (at most `token_factor` x), the refusal by its claim (at
+   most `MAX_WORK_RATIO` x), so an honest delta that folded several missed ones is
+   clipped, not refused, and a false claim buys at most `token_factor` clips.
 3. **Direction vs momentum.** Once the outer momentum is nonzero (round 1 on), a delta
    whose cosine with it is below `momentum_min_cosine` is refused.
 4. **Direction vs the others.** With `min_loo_peers` deltas or more left, the one with
@@ -249,6 +253,40 @@ def clip_threshold(
     return clip, source
 
 
+MAX_WORK_RATIO = 64.0
+"""At most this many times the reference work lifts a delta's refuse bound (its clip is
+lifted at most `token_factor` times, with its bounded tokens)."""
+
+
+def reference_tokens(
+    history_tokens: Sequence[int], window_tokens: Sequence[int], min_history: int
+) -> float | None:
+    """The work a typical delta carries, in tokens: the median of the history's bounded
+    claims (`min_history` of them at least), else the lower median of this window's
+    claims (two or more), else None (no reference: no delta's bounds are lifted)."""
+    history = [t for t in history_tokens if t > 0]
+    if len(history) >= min_history:
+        return float(statistics.median(history))
+    window = [t for t in window_tokens if t > 0]
+    if len(window) >= 2:
+        return float(statistics.median_low(window))
+    return None
+
+
+def work_ratio(tokens: int, reference: float | None, cap: float) -> float:
+    """How many typical deltas' work `tokens` is: in [1, cap] (1 without a reference).
+
+    A learner that folded missed deltas into its next one, or ran at a larger batch,
+    legitimately sends a larger norm; the ratio lifts its norm bounds by the work it
+    claims. Claims are untrusted, so the clip uses the *bounded* tokens (at most
+    `token_factor` times the median) and the refuse bound at most `MAX_WORK_RATIO`: a
+    claim can turn a refusal into a clip, never let more than `token_factor` clips through.
+    """
+    if reference is None or reference <= 0.0 or tokens <= 0:
+        return 1.0
+    return min(max(tokens / reference, 1.0), cap)
+
+
 def clip_scale(norm: float, clip_norm: float) -> float:
     """Factor that brings a delta of `norm` down to `clip_norm` (1.0 when under it)."""
     return clip_norm / norm if norm > clip_norm else 1.0
@@ -462,14 +500,18 @@ def screen(
         min_history=rules.min_history,
     )
     refuse = clip * rules.refuse_factor
+    reference = reference_tokens(history.tokens, [candidates[i].tokens for i in alive], rules.min_history)
     scales = [0.0] * count
     for i in alive:
-        if norms[i] > refuse:
+        # a delta carrying more work has a larger norm: the bounds grow with it (folded
+        # deltas carry every step since their learner's last merge, issue 26)
+        own_refuse = refuse * work_ratio(candidates[i].tokens, reference, MAX_WORK_RATIO)
+        if norms[i] > own_refuse:
             reasons[i] = (
-                f"delta norm {norms[i]:.4g} is above {refuse:.4g} (refuse bound, from {source})"
+                f"delta norm {norms[i]:.4g} is above {own_refuse:.4g} (refuse bound, from {source})"
             )
         else:
-            scales[i] = clip_scale(norms[i], clip)
+            scales[i] = clip_scale(norms[i], clip * work_ratio(tokens[i], reference, rules.token_factor))
     if source in ("none", "parameters"):
         notes.append(f"no norm history: clip from {source} only")
 

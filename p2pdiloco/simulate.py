@@ -299,6 +299,8 @@ def simulate(
             "dropped": run.dropped, "sim_time_s": run.sim_time_s,
             "rho_mean": sum(run.rho) / len(run.rho) if run.rho else None,
             "eval_times_s": run.eval_times_s, "steps": run.steps,
+            "merged_steps": run.merged_steps, "local_steps": run.local_steps,
+            "lost_steps": run.lost_steps, "work_efficiency": run.work_efficiency,
         }  # fmt: skip
     else:
         diloco, tokens, diloco_bytes = run_diloco(

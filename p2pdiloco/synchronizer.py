@@ -492,6 +492,7 @@ class Synchronizer:
             "round closed round=%d fragment=%d merged=%d refused=%d holders=%d grace_s=%.2f sync_s=%.3f hash=%s",
             m.round, m.fragment, len(kept), len(refused), len(holders), grace_s, elapsed, update.hash[:12],
         )
+        claimed = {c.peer: c for c in result.candidates}
         self.on_event(
             {
                 "event": "round_closed",
@@ -499,6 +500,10 @@ class Synchronizer:
                 "fragment": m.fragment,
                 "contributors": [c[0] for c in update.contributors],
                 "weights": [c[1] for c in update.contributors],
+                # the work each merged delta carries, as claimed (goodput is counted from these)
+                "tokens": [claimed[c[0]].tokens for c in update.contributors],
+                "steps": [claimed[c[0]].steps for c in update.contributors],
+                "staleness": [claimed[c[0]].staleness for c in update.contributors],
                 "refused": sorted(refused),
                 "holders": list(holders),
                 "grace_s": grace_s,

@@ -12,6 +12,7 @@ them (signed frames), checks each claim against its bytes, and sums the steps.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -121,8 +122,9 @@ class Peer:
         }
 
 
-async def run_swarm(min_quorum: int, speeds: list[int], ticks: int) -> list[Peer]:
-    """Learner i takes a step every `speeds[i]` ticks; then every delta is decided."""
+async def run_swarm(min_quorum: int, speeds: list[int], rounds: int, max_ticks: int = 3000) -> list[Peer]:
+    """Learner i takes a step every `speeds[i]` ticks until the swarm committed `rounds`
+    rounds (at most `max_ticks`: the test then fails); then every delta is decided."""
     network, config = MemoryNetwork(), config_for(min_quorum)
     ids = [network.new_peer_id() for _ in speeds]
     peers = [Peer(network, config, ids, peer_id) for peer_id in ids]
@@ -130,7 +132,9 @@ async def run_swarm(min_quorum: int, speeds: list[int], ticks: int) -> list[Peer
         await peer.transport.start()
         await peer.replicas.start()
         await peer.sync.start()
-    for tick in range(ticks):
+    for tick in itertools.count():
+        if min(p.state.round_of(0) for p in peers) >= rounds or tick >= max_ticks:
+            break
         for peer, every in zip(peers, speeds, strict=True):
             if tick % every == 0:
                 peer.learner.run_step()
@@ -139,9 +143,14 @@ async def run_swarm(min_quorum: int, speeds: list[int], ticks: int) -> list[Peer
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 30.0
     while any(p.learner.in_flight or p.learner.encoding or p.learner.staged for p in peers):
-        assert loop.time() < deadline, "deltas still undecided at the deadline"
+        assert loop.time() < deadline, "deltas still undecided at the deadline: " + "; ".join(
+            f"{p.peer_id[-4:]} round {p.state.round_of(0)} "
+            f"{[(i.target_round, i.reply) for i in p.learner.in_flight.values()]} "
+            f"encoding {list(p.learner.encoding)} staged {list(p.learner.staged)}"
+            for p in peers
+        )
         for peer in peers:
-            peer.learner.send_encoded(block=False)
+            peer.learner.send_staged()  # as the loop does once it stops
             peer.learner.collect_outcomes()
             peer.learner.take_over_updates()
         await asyncio.sleep(0.01)
@@ -195,10 +204,10 @@ def merged_steps_by_peer(peers: list[Peer]) -> dict[str, int]:
     ids=["K1-of-4", "K2-of-4", "K2-of-4-heterogeneous", "K1-of-2-heterogeneous"],
 )
 def test_every_computed_step_is_merged_once_or_still_local(min_quorum: int, speeds: list[int]) -> None:
-    peers = asyncio.run(asyncio.wait_for(run_swarm(min_quorum, speeds, ticks=120), 120))
+    peers = asyncio.run(asyncio.wait_for(run_swarm(min_quorum, speeds, rounds=8), 300))
     hashes = {p.state.fragment_hash(0) for p in peers}
     assert len(hashes) == 1, "replicas differ"
-    assert peers[0].state.round_of(0) >= 3, "the swarm committed rounds"
+    assert peers[0].state.round_of(0) >= 8, "the swarm committed its rounds"
     merged = merged_steps_by_peer(peers)
     for peer in peers:
         p, ledger = peer.learner.progress, peer.learner.ledgers[0]

@@ -12,8 +12,13 @@ def decoupled(config, **simulate_fields):
 
 def test_equal_speeds_and_a_quorum_of_all_is_exactly_lockstep_diloco(tiny_config, tiny_corpus) -> None:
     """With every learner as fast and K = M, every window closes once all M deltas are in
-    and every learner starts its next H steps from the result: plain DiLoCo, bit for bit."""
-    config = replace(tiny_config, sync={"min_quorum": 2}, simulate={"rounds": 2})
+    and every learner starts its next H steps from the result: plain DiLoCo, bit for bit
+    (fp32 deltas and outer gradient: the decoupled simulator runs the learners' own codec
+    and the swarm's merge, screening included, which passes honest deltas untouched)."""
+    config = replace(
+        tiny_config, sync={"min_quorum": 2}, simulate={"rounds": 2},
+        compress={"codec": "fp32", "outer_codec": "fp32"},
+    )  # fmt: skip
     lockstep = simulate(replace(config, simulate={"baseline": False}), corpus=tiny_corpus)
     schedule = simulate(decoupled(config), corpus=tiny_corpus)
     assert schedule.tokens == lockstep.tokens

@@ -18,6 +18,7 @@ PURE_MODULES = [
     "compress",
     "shapes",
     "ledger",
+    "learner",
     "wire",
     "windows",
     "election",

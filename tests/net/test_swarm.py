@@ -130,13 +130,16 @@ def test_straggler_inside_the_grace_window_is_merged_one_after_it_lands_next_rou
     closed = {e["round"]: e for log in logs for e in log.of("round_closed")}
     assert slow in closed[0]["contributors"], "a straggler inside the grace window is merged"
     assert late not in closed[0]["contributors"], "one after the grace window is not"
-    first = logs[3].wait(lambda e: e.get("event") == "contributed", ROUND_WAIT_S)
-    assert first["status"] == "late" and first["round"] == 0
+    # round 0 committed without it: its steps stay local and its next delta carries them
+    folded = logs[3].wait(lambda e: e.get("event") == "delta_folded", ROUND_WAIT_S)
+    assert folded["round"] == 0
     logs[3].wait(
         lambda e: e.get("event") == "contributed" and e["status"] == "merged", ROUND_WAIT_S
     )
     merged = [e for e in logs[3].of("contributed") if e["status"] == "merged"]
-    assert merged[0]["round"] == 1, "the late delta lands in the next round"
+    assert merged[0]["round"] == 1, "the late delta's work lands in the next round"
+    carried = [e for e in logs[3].of("delta_merged") if e["round"] == 1]
+    assert carried and carried[0]["steps"] > folded["steps"], "with the steps taken since"
     assert_replicas_identical(logs)
 
 
