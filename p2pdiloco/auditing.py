@@ -1,11 +1,16 @@
-"""`p2pdiloco audit`: an outside observer recomputes the next round of a live run.
+"""An outside observer of a live run: `p2pdiloco audit`, and the global model of
+`p2pdiloco export --run` / `generate --run`.
 
 The observer never trains and never serves. It builds the run's model from the (verified)
-config, follows the fragment's canonical chain to its head (a state download from the
-run's learners, checked by hash like any joiner's), then waits for the next committed
-record, fetches that round's signed contributions from its synchronizer and recomputes
-the merge bit for bit (`audit.audit_round`). Only the *next* round can be checked: the
-parent state of an older round is no longer held by anyone.
+config and follows the canonical chain of fragments to their head (`catch_up`: a state
+download from the run's learners, checked by hash like any joiner's, then the committed
+updates, each checked against its record's signed hash). That is the run's current
+verified global model (`download_global_state`).
+
+`audit_next_round` then waits for the next committed record, fetches that round's signed
+contributions from its synchronizer and recomputes the merge bit for bit
+(`audit.audit_round`). Only the *next* round can be checked: the parent state of an older
+round is no longer held by anyone.
 
 Every wait is bounded by `wait_s`; a run that stalls or a synchronizer that does not
 serve its contributions gives `unverifiable`, never a hang and never an accusation.
@@ -36,7 +41,7 @@ POLL_S = 1.0
 """How often the observer re-reads the DHT while it waits (a poll period, not a sync)."""
 
 
-def _observer_state(config: RunConfig) -> GlobalState:
+def observer_state(config: RunConfig) -> GlobalState:
     """The run's genesis state, built exactly as every peer builds it."""
     model = build_model(config.model.preset, seed=config.train.seed, max_seq_len=config.model.seq_len)
     params = {n: p.detach() for n, p in model.named_parameters()}
@@ -44,7 +49,7 @@ def _observer_state(config: RunConfig) -> GlobalState:
     return GlobalState(params, fragments, config.outer)
 
 
-class _Members:
+class RunMembers:
     """The run's live membership as last read from the DHT (donors for the state download)."""
 
     def __init__(self, transport: Transport, run: str) -> None:
@@ -64,6 +69,41 @@ class _Members:
         return dict(self.view)
 
 
+async def catch_up(replicas: ReplicaSync, members: RunMembers, fragments: list[int], deadline: float) -> bool:
+    """Bring each of `fragments` to the head of its canonical chain; False when the
+    monotonic `deadline` passes first (the run stalled, or no donor served its state)."""
+    pending = list(fragments)
+    while True:
+        await members.refresh()
+        pending = [f for f in pending if not await replicas.sync_fragment(f)]
+        if not pending:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(POLL_S)
+
+
+async def download_global_state(
+    transport: Transport, config: RunConfig, admission: Admission, wait_s: float
+) -> GlobalState | None:
+    """The run's current verified global state, every fragment at the head of its chain
+    (round 0 everywhere: the genesis, no download); None when not caught up in `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    run = config.peer.run
+    state = observer_state(config)
+    members = RunMembers(transport, run)
+    limits = wire.WireLimits()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="observer") as worker:
+        replicas = ReplicaSync(
+            transport, run, state, members, limits, worker,
+            void_after_s=config.sync.round_deadline_s, admission=admission,
+            # an update out of line with the last ones is recomputed before it is applied
+            auditor=Auditor(run, config, limits, state.fragments),
+        )
+        caught_up = await catch_up(replicas, members, list(range(state.num_fragments)), deadline)
+    return state if caught_up else None
+
+
 async def audit_next_round(
     transport: Transport, config: RunConfig, admission: Admission, fragment: int, wait_s: float
 ) -> tuple[AuditResult, RoundRecord | None]:
@@ -75,8 +115,8 @@ async def audit_next_round(
         return AuditResult(UNVERIFIABLE, f"the run has no fragment {fragment}"), None
     deadline = time.monotonic() + wait_s
     run = config.peer.run
-    state = _observer_state(config)
-    members = _Members(transport, run)
+    state = observer_state(config)
+    members = RunMembers(transport, run)
     limits = wire.WireLimits()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit") as worker:
         replicas = ReplicaSync(
@@ -85,13 +125,8 @@ async def audit_next_round(
             auditor=Auditor(run, config, limits, state.fragments),
         )
         # 1. follow the chain to its head (a download when the run is past round 0)
-        while True:
-            await members.refresh()
-            if await replicas.sync_fragment(fragment):
-                break
-            if time.monotonic() > deadline:
-                return AuditResult(UNVERIFIABLE, "could not catch up with the run's chain"), None
-            await asyncio.sleep(POLL_S)
+        if not await catch_up(replicas, members, [fragment], deadline):
+            return AuditResult(UNVERIFIABLE, "could not catch up with the run's chain"), None
         target = state.round_of(fragment)
         snapshot = state.export_fragment(fragment)
         log.info("audit: at round %d of fragment %d, waiting for its record", target, fragment)

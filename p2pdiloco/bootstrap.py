@@ -1,8 +1,10 @@
 """Bootstrap peer lists: `bootstrap_peers/<run>.txt`, one multiaddr a line, `#` comments.
 
-A run is joined by name: the file is looked up in `./bootstrap_peers/` first, then in the
-`bootstrap_peers/` folder shipped beside the package. Every bad line is an error naming
-the file and the line, so a typo never turns into a silent solo run.
+A run is joined by name: its files (`<run>.toml`, a signed manifest, or `<run>.txt`, the
+bootstrap list of an open run) are looked up in `run_folders()`: `./bootstrap_peers/`
+first, then the runs shipped inside the package (`p2pdiloco/known_runs/`, package data, so
+a plain `pip install` knows them), then a clone's own `bootstrap_peers/`. Every bad line
+is an error naming the file and the line, so a typo never turns into a silent solo run.
 """
 
 from __future__ import annotations
@@ -11,7 +13,55 @@ from pathlib import Path
 
 from p2pdiloco.errors import NetworkSetupError
 
-SHIPPED_DIR = Path(__file__).resolve().parent.parent / "bootstrap_peers"
+LOCAL_DIR = Path("bootstrap_peers")
+"""Run files beside the user (relative to the working directory): they win."""
+SHIPPED_DIR = Path(__file__).resolve().parent / "known_runs"
+"""The known runs shipped with p2pdiloco (package data: in the wheel and in a clone)."""
+CLONE_DIR = Path(__file__).resolve().parent.parent / "bootstrap_peers"
+"""A clone's `bootstrap_peers/` (absent from an installed wheel): runs an operator added
+there by hand are found from any working directory."""
+RUN_SUFFIXES = (".toml", ".txt")
+"""A run's signed manifest, and the bootstrap list of an open run."""
+
+
+def run_folders() -> list[Path]:
+    """The folders run files are looked up in, first match wins (each folder once)."""
+    folders: list[Path] = []
+    seen: set[Path] = set()
+    for folder in (LOCAL_DIR, SHIPPED_DIR, CLONE_DIR):
+        key = folder.resolve()
+        if key not in seen:
+            seen.add(key)
+            folders.append(folder)
+    return folders
+
+
+def check_run_name(run: str) -> bool:
+    """A run name is a plain file name: no path separators, not hidden."""
+    return bool(run) and "/" not in run and "\\" not in run and not run.startswith(".")
+
+
+def run_file(run: str, suffix: str) -> Path | None:
+    """The first `<run><suffix>` in `run_folders()`, or None."""
+    if not check_run_name(run):
+        return None
+    for folder in run_folders():
+        path = folder / f"{run}{suffix}"
+        if path.is_file():
+            return path
+    return None
+
+
+def known_runs() -> dict[str, list[Path]]:
+    """Every run named by a file in `run_folders()`: its files, the one that wins first."""
+    runs: dict[str, list[Path]] = {}
+    for folder in run_folders():
+        if not folder.is_dir():
+            continue
+        for path in sorted(folder.iterdir()):
+            if path.suffix in RUN_SUFFIXES and path.is_file() and check_run_name(path.stem):
+                runs.setdefault(path.stem, []).append(path)
+    return dict(sorted(runs.items()))
 
 
 def check_multiaddr(text: str, where: str) -> str:
@@ -35,7 +85,8 @@ def read_bootstrap_file(path: Path) -> list[str]:
         lines = path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
         raise NetworkSetupError(
-            f"unknown run: {path} does not exist (pass --initial-peers, or --new-run to start one)"
+            f"unknown run: {path} does not exist (`p2pdiloco runs` lists the known runs; "
+            "pass --initial-peers, or --new-run to start one)"
         ) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise NetworkSetupError(
@@ -54,14 +105,11 @@ def read_bootstrap_file(path: Path) -> list[str]:
 
 
 def bootstrap_file_for(run: str) -> Path:
-    """Where the bootstrap file of `run` is: ./bootstrap_peers/<run>.txt, else the shipped one."""
-    if not run or "/" in run or run.startswith("."):
+    """Where the bootstrap file of `run` is: the first `<run>.txt` in `run_folders()`, else
+    ./bootstrap_peers/<run>.txt (which does not exist: the error names it)."""
+    if not check_run_name(run):
         raise NetworkSetupError(f"run name {run!r} must be a plain name like 'community-150m'")
-    local = Path("bootstrap_peers") / f"{run}.txt"
-    if local.exists():
-        return local
-    shipped = SHIPPED_DIR / f"{run}.txt"
-    return shipped if shipped.exists() else local
+    return run_file(run, ".txt") or LOCAL_DIR / f"{run}.txt"
 
 
 def resolve_initial_peers(

@@ -220,3 +220,26 @@ def load_learner(directory: str | Path, learner: Any, config_hash: str) -> bool:
             setattr(learner.progress, key, value)
     log.info("checkpoint loaded path=%s step=%d", path, learner.progress.step)
     return True
+
+
+def read_model_state(directory: str | Path) -> tuple[dict[str, torch.Tensor], str]:
+    """(the model's tensors by name, the run config hash) of the checkpoint in `directory`,
+    for `p2pdiloco export` and `generate`: this learner's replica as last saved.
+
+    Raises ConfigError (one line: which file, what is wrong) for a missing, unreadable or
+    malformed checkpoint. The file is memory-mapped: the optimizer moments beside the
+    model are never read into memory.
+    """
+    path = Path(directory) / FILE_NAME
+    if not path.is_file():
+        raise ConfigError(f"--checkpoint {directory}: no {FILE_NAME} in it (a `join --checkpoint-dir` folder)")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
+        raise ConfigError(f"checkpoint {path} is unreadable ({type(exc).__name__}): not a p2pdiloco checkpoint") from None
+    model = payload.get("model") if isinstance(payload, dict) else None
+    if not isinstance(model, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items()
+    ):
+        raise ConfigError(f"checkpoint {path} holds no model tensors: not a p2pdiloco checkpoint")
+    return model, str(payload.get("config_hash", ""))

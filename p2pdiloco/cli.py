@@ -494,6 +494,132 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- export and generate -----------------------------------------------------------------
+
+
+def _names_a_run(args: argparse.Namespace) -> bool:
+    """Whether the command line says how to find a live run (else: none was asked for)."""
+    return any(getattr(args, name, None) is not None for name in ("run", "manifest", "initial_peers", "bootstrap_file"))
+
+
+def _download_global_model(args: argparse.Namespace) -> tuple[dict, int, dict[str, str]]:
+    """The live run's current verified global parameters, caught up as an observer would."""
+    import asyncio
+
+    from p2pdiloco.auditing import download_global_state
+    from p2pdiloco.errors import NetworkSetupError
+    from p2pdiloco.peer import make_transport_for
+
+    config, admission = observer_config(args)
+    run = config.peer.run
+    transport = make_transport_for(dataclasses.replace(config.peer, client_mode=True), kind=config.network.transport)
+
+    async def download():
+        await transport.start()
+        try:
+            return await download_global_state(transport, config, admission, args.wait_s)
+        finally:
+            await transport.shutdown()
+
+    state = asyncio.run(download())
+    if state is None:
+        raise NetworkSetupError(
+            f"could not catch up with run {run!r} within {args.wait_s:g} s: no live learner served "
+            f"its state (is it up? `p2pdiloco status --run {run}`; or raise --wait-s)"
+        )
+    rounds = [state.round_of(f) for f in range(state.num_fragments)]
+    if not any(rounds):
+        log.warning("run %s is at round 0 everywhere: these are its initial weights", run)
+    source = {
+        "source": f"run {run}",
+        "rounds": ",".join(map(str, rounds)),
+        "hashes": ",".join(state.fragment_hash(f) for f in range(state.num_fragments)),
+    }
+    return dict(state.params), config.model.seq_len, source
+
+
+def _model_params(args: argparse.Namespace) -> tuple[dict, int, dict[str, str]]:
+    """(the model's tensors by name, its trained context length in tokens, where they came
+    from): a checkpoint's replica with --checkpoint, else a live run's global model."""
+    if args.checkpoint is None:
+        if not _names_a_run(args):
+            raise ConfigError(
+                "which model? --checkpoint DIR (a `join --checkpoint-dir` folder) or --run NAME (a live run)"
+            )
+        return _download_global_model(args)
+    if _names_a_run(args):
+        raise ConfigError("--checkpoint and --run/--manifest/--initial-peers name two models: give one")
+    from p2pdiloco.checkpoint import read_model_state
+
+    # A checkpoint names its run config by hash only: the shape comes from its tensors,
+    # the context length from --config/--set (model.seq_len).
+    config = config_from_args(args)
+    params, saved_hash = read_model_state(args.checkpoint)
+    return params, config.model.seq_len, {"source": f"checkpoint {args.checkpoint}", "config_hash": saved_hash}
+
+
+def _hub_client():
+    """A Hugging Face Hub client for `--push-to-hub`, checked before any model is fetched."""
+    try:
+        from huggingface_hub import HfApi, get_token
+    except ImportError:
+        raise ConfigError("--push-to-hub needs huggingface_hub: pip install huggingface_hub") from None
+    if not get_token():
+        raise ConfigError("--push-to-hub needs a Hugging Face token: `hf auth login`, or set HF_TOKEN")
+    return HfApi()
+
+
+def _push_to_hub(api, folder: Path, repo: str) -> str:
+    """Upload `folder` to the Hugging Face Hub model repo `repo`; returns its URL."""
+    from p2pdiloco.errors import NetworkSetupError
+
+    try:
+        api.create_repo(repo, exist_ok=True)
+        api.upload_folder(folder_path=str(folder), repo_id=repo, commit_message="p2pdiloco export")
+    except Exception as exc:  # noqa: BLE001 - the hub client raises many types; one line
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise NetworkSetupError(f"--push-to-hub {repo}: {type(exc).__name__}: {first}") from None
+    return f"https://huggingface.co/{repo}"
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write the model as safetensors + config that `transformers` loads as LlamaForCausalLM."""
+    from p2pdiloco.export import write_hf_model
+
+    hub = _hub_client() if args.push_to_hub else None
+    params, seq_len, source = _model_params(args)
+    files = write_hf_model(args.out, params, seq_len, source)
+    print(f"wrote {args.out} ({', '.join(f.name for f in files)}) from {source['source']}")
+    if hub is not None:
+        print(f"pushed to {_push_to_hub(hub, args.out, args.push_to_hub)}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Print the prompt and a few tokens the model continues it with."""
+    if not 1 <= args.max_new_tokens <= 4096:
+        raise ConfigError(f"--max-new-tokens must be in [1, 4096], got {args.max_new_tokens}")
+    if args.temperature < 0 or args.top_k < 0:
+        raise ConfigError("--temperature and --top-k must be >= 0")
+    import torch
+
+    from p2pdiloco.data import EOS, decode_tokens, encode_text
+    from p2pdiloco.export import decoder_of
+
+    params, seq_len, _ = _model_params(args)
+    model = decoder_of(params, seq_len)
+    # an empty prompt starts a document: EOS is what precedes one in training
+    context = (encode_text(args.prompt) if args.prompt else torch.tensor([EOS]))[None, :]
+    tokens = model.generate(
+        context, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        stop_token=EOS, generator=torch.Generator().manual_seed(args.seed),
+    )[0, context.shape[1] :]
+    if EOS in tokens.tolist():
+        tokens = tokens[: tokens.tolist().index(EOS)]
+    print(args.prompt + decode_tokens(tokens))
+    return 0
+
+
 # --- config ------------------------------------------------------------------------------
 
 
@@ -510,7 +636,9 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def _add_finding_flags(parser: argparse.ArgumentParser) -> None:
     """How any peer finds a run: its name, manifest, bootstrap file or addresses."""
-    _add_peer_flag(parser, "--run", "run name (reads bootstrap_peers/<run>.toml, else <run>.txt)")
+    _add_peer_flag(
+        parser, "--run", "run name: its <run>.toml, else <run>.txt, from ./bootstrap_peers or shipped (`p2pdiloco runs`)"
+    )
     _add_peer_flag(
         parser, "--initial-peers", "multiaddrs to bootstrap from", nargs="*", metavar="MULTIADDR"
     )
@@ -686,6 +814,34 @@ def build_parser() -> argparse.ArgumentParser:
     from p2pdiloco.runs import add_commands
 
     add_commands(sub, _add_config_options, _add_watch_flags)
+
+    for name, handler, help_text in [
+        ("export", cmd_export, "write the model as safetensors that transformers loads (LlamaForCausalLM)"),
+        ("generate", cmd_generate, "continue a prompt with the model: what the swarm is learning"),
+    ]:
+        command = sub.add_parser(name, help=help_text)
+        _add_config_options(command)
+        command.add_argument(
+            "--checkpoint", type=Path, help="a `join --checkpoint-dir` folder: that learner's replica"
+        )
+        _add_watch_flags(command)  # or a live run: its current verified global model
+        command.add_argument(
+            "--wait-s", type=float, default=300.0, help="give up catching up with a live run after this long (default 300 s)"
+        )
+        if name == "export":
+            command.add_argument("--out", type=Path, required=True, help="folder to write the model to")
+            command.add_argument(
+                "--push-to-hub", metavar="REPO", help="then upload it to this Hugging Face model repo (needs a token)"
+            )
+        else:
+            command.add_argument("prompt", help="text to continue (\"\": from the start of a document)")
+            command.add_argument("--max-new-tokens", type=int, default=64, help="bytes to generate (default 64)")
+            command.add_argument(
+                "--temperature", type=float, default=0.0, help="0: greedy (default); above 0: sampled"
+            )
+            command.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest (0: all)")
+            command.add_argument("--seed", type=int, default=0, help="sampling seed")
+        command.set_defaults(handler=handler)
 
     config = sub.add_parser("config", help="print the effective run config as TOML")
     _add_config_options(config)

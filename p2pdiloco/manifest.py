@@ -21,7 +21,7 @@ import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from p2pdiloco.bootstrap import SHIPPED_DIR, check_multiaddr
+from p2pdiloco.bootstrap import check_multiaddr, run_file
 from p2pdiloco.config import PeerConfig, RunConfig, apply_overrides, config_from_dict, config_hash
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.identity import Identity, is_peer_id, verify
@@ -194,14 +194,9 @@ def render_manifest(manifest: Manifest) -> str:
 
 
 def manifest_file_for(run: str) -> Path | None:
-    """./bootstrap_peers/<run>.toml, else the shipped one, else None."""
-    if not run or "/" in run or run.startswith("."):
-        return None
-    for folder in (Path("bootstrap_peers"), SHIPPED_DIR):
-        path = folder / f"{run}.toml"
-        if path.exists():
-            return path
-    return None
+    """./bootstrap_peers/<run>.toml, else the shipped one (see `bootstrap.run_folders`),
+    else None."""
+    return run_file(run, ".toml")
 
 
 def read_manifest(path: Path) -> Manifest:

@@ -206,6 +206,42 @@ class Decoder(nn.Module):
         # Tied embeddings: the output projection reuses the input embedding matrix.
         return F.linear(self.norm(x), self.embed.weight)
 
+    @torch.no_grad()
+    def generate(
+        self,
+        tokens: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        stop_token: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """`tokens` (batch, seq) followed by up to `max_new_tokens` new ones (nanoGPT's loop).
+
+        Greedy at `temperature` 0, else sampled from the softmax at that temperature, from
+        the `top_k` likeliest tokens when `top_k` > 0. The context is cropped to the last
+        `max_seq_len` tokens (no KV cache: one full forward a token, fine for a preview).
+        Stops early once every sequence has produced `stop_token`.
+        """
+        done = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+        for _ in range(max_new_tokens):
+            logits = self(tokens[:, -self.shape.max_seq_len :])[:, -1, :].float()
+            if temperature <= 0:
+                next_token = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k > 0:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                probs = torch.softmax(logits, dim=-1)
+                next_token = torch.multinomial(probs, 1, generator=generator)
+            tokens = torch.cat((tokens, next_token), dim=1)
+            if stop_token is not None:
+                done |= next_token[:, 0] == stop_token
+                if bool(done.all()):
+                    break
+        return tokens
+
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy (nats) over a batch of sequences (batch, seq + 1)."""
         logits = self(tokens[:, :-1])

@@ -1,4 +1,5 @@
-"""Operator and auditor commands: `p2pdiloco run init|sign|certify|show`, `identity`, `audit`.
+"""Operator and auditor commands: `p2pdiloco run init|sign|certify|show`, `runs`, `identity`,
+`audit`.
 
 An operator keeps one Ed25519 key (`--operator-key`, created by `run init`); it signs the
 run manifest and the certificates that entitle peers to synchronize (or to learn, in a
@@ -15,7 +16,7 @@ import json
 import time
 from pathlib import Path
 
-from p2pdiloco.bootstrap import check_multiaddr
+from p2pdiloco.bootstrap import check_multiaddr, known_runs, run_file
 from p2pdiloco.config import load_config
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.identity import Identity, is_peer_id, load_or_create_identity
@@ -113,6 +114,57 @@ def cmd_run_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def describe_run(name: str) -> dict:
+    """What `p2pdiloco runs` says of one known run: its kind, bootstrap peers and file.
+
+    A signed manifest (`<run>.toml`) wins over a bootstrap list (`<run>.txt`), as in `join`;
+    a manifest that does not verify is listed with the reason, not raised.
+    """
+    manifest_path, list_path = run_file(name, ".toml"), run_file(name, ".txt")
+    if manifest_path is not None:
+        try:
+            manifest = read_manifest(manifest_path)
+        except ConfigError as exc:
+            return {"run": name, "kind": "manifest", "bootstrap": 0, "file": str(manifest_path), "problem": str(exc)}
+        return {
+            "run": name,
+            "kind": "manifest",
+            "bootstrap": len(manifest.bootstrap),
+            "file": str(manifest_path),
+            "operator": manifest.operator,
+            "model": manifest.config().model.preset,
+        }
+    assert list_path is not None, name  # known_runs() named it
+    try:
+        lines = list_path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        return {"run": name, "kind": "open", "bootstrap": 0, "file": str(list_path), "problem": str(exc)}
+    count = sum(1 for line in lines if line.split("#", 1)[0].strip())
+    return {"run": name, "kind": "open", "bootstrap": count, "file": str(list_path)}
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    """List the runs this installation knows by name (`join --run NAME`)."""
+    runs = [describe_run(name) for name in known_runs()]
+    if args.json:
+        print(json.dumps(runs, indent=2))
+        return 0
+    if not runs:
+        print("no known runs: pass --manifest PATH or --initial-peers to join one")
+        return 0
+    width = max(len(r["run"]) for r in runs)
+    for run in runs:
+        if "problem" in run:
+            what = f"invalid: {run['problem']}"
+        elif run["kind"] == "manifest":
+            what = f"signed manifest, model {run['model']}, operator …{run['operator'][-8:]}"
+        else:
+            what = "open run (bootstrap list)"
+        peers = f"{run['bootstrap']} bootstrap peer{'s' if run['bootstrap'] != 1 else ''}"
+        print(f"{run['run']:<{width}}  {what}; {peers}  {run['file']}")
+    return 0
+
+
 def cmd_identity(args: argparse.Namespace) -> int:
     """Print the peer id of a key file (created if missing): what an operator certifies."""
     try:
@@ -154,7 +206,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: argparse._SubParsersAction, add_config_options, add_watch_flags) -> None:
-    """`run init|sign|certify|show` and `audit` on the top-level parser."""
+    """`run init|sign|certify|show`, `runs`, `identity` and `audit` on the top-level parser."""
     run = sub.add_parser("run", help="operator tools: the signed run manifest and certificates")
     verbs = run.add_subparsers(dest="verb", metavar="VERB")
     init = verbs.add_parser("init", help="create a signed manifest (and the operator key)")
@@ -181,6 +233,10 @@ def add_commands(sub: argparse._SubParsersAction, add_config_options, add_watch_
     show = verbs.add_parser("show", help="verify a manifest and print what it says")
     show.add_argument("manifest", help="a manifest file or a run name")
     show.set_defaults(handler=cmd_run_show)
+
+    runs = sub.add_parser("runs", help="list the known runs (shipped with p2pdiloco or in ./bootstrap_peers)")
+    runs.add_argument("--json", action="store_true", help="machine-readable output")
+    runs.set_defaults(handler=cmd_runs)
 
     identity = sub.add_parser("identity", help="print the peer id of a key file (created if missing)")
     identity.add_argument("path", type=Path, help="Ed25519 key file, as given to join --identity")

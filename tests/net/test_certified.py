@@ -4,7 +4,8 @@ The operator runs `p2pdiloco run init` (certified synchronizers, open learners) 
 `run certify` for two peers; three learners join with `--manifest` and their own key
 files, the third without a certificate. Every round is closed by a certified peer, the
 uncertified one still learns and contributes, and its heartbeats (which carry no
-certificate) never get it elected.
+certificate) never get it elected. Outsiders then audit a round, and export and sample the
+run's current global model.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import subprocess
 import sys
 
 import pytest
+from safetensors import safe_open
 
 from p2pdiloco.election import elect_synchronizer
 
@@ -117,6 +119,25 @@ def test_only_certified_peers_synchronize_a_certified_run(tmp_path) -> None:
     report = json.loads(audited.stdout.strip().splitlines()[-1])
     assert report["verdict"] == "ok" and report["synchronizer"] in certified, report
     assert report["recomputed"] == report["hash"]
+
+    # a volunteer takes the model home: the run's current global model, verified by hash
+    # like a joiner's download, exported for transformers; and a few tokens from it
+    found = ["--manifest", str(manifest), "--initial-peers", *boot.maddrs, "--wait-s", "240"]
+    out = tmp_path / "model"
+    exported = p2pdiloco("export", *found, "--out", str(out), env=env, timeout=360)
+    assert exported.returncode == 0, exported.stdout + exported.stderr[-3000:]
+    with safe_open(out / "model.safetensors", framework="pt") as weights:
+        meta, names = weights.metadata(), set(weights.keys())
+    assert meta["source"] == "run certrun" and "model.embed_tokens.weight" in names
+    for log in logs:
+        log.drain(quiet_s=1.0, max_s=5.0)
+    held = {key: h for log in logs for key, h in log.hashes().items()}
+    rounds, hashes = meta["rounds"].split(","), meta["hashes"].split(",")
+    for fragment, (round_id, hash_) in enumerate(zip(rounds, hashes, strict=True)):
+        assert int(round_id) >= 1 and held.get((fragment, int(round_id) - 1)) == hash_, meta
+    generated = p2pdiloco("generate", *found, "--max-new-tokens", "8", "def ", env=env, timeout=360)
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    assert generated.stdout.startswith("def ")
     for peer in peers:
         peer.request_stop(signal.SIGTERM)
     assert [peer.wait_exit(60) for peer in peers] == [0, 0, 0]
