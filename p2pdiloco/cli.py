@@ -692,6 +692,10 @@ def _add_join_flags(join: argparse.ArgumentParser) -> None:
     )
     _add_peer_flag(join, "--events", "print one JSON event per line on stdout", action="store_true")
     _add_peer_flag(
+        join, "--metrics-port", "serve Prometheus metrics over HTTP on this port (0: off)", type=int
+    )
+    _add_peer_flag(join, "--metrics-host", "address the metrics endpoint listens on")
+    _add_peer_flag(
         join,
         "--checkpoint-dir",
         "save local state here (periodically, on leaving), restore on start",

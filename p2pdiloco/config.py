@@ -521,6 +521,10 @@ class PeerConfig:
     should use 1 each, or their busy-waiting thread pools starve one another."""
     events: bool = False
     """Print one JSON line per event on stdout (tests and the demo read these)."""
+    metrics_port: int = 0
+    """Serve Prometheus metrics over HTTP on this port (0: no metrics; docs/operate.md)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoint listens on (0.0.0.0: every interface)."""
 
     # --- checkpoints --------------------------------------------------------------------
     checkpoint_dir: str = ""
@@ -556,6 +560,12 @@ class PeerConfig:
         )
         _check(bool(self.host), "peer.host", "must not be empty")
         _check(0 <= self.port <= 65535, "peer.port", f"must be in [0, 65535], got {self.port}")
+        _check(
+            0 <= self.metrics_port <= 65535,
+            "peer.metrics_port",
+            f"must be in [0, 65535] (0: no metrics), got {self.metrics_port}",
+        )
+        _check(bool(self.metrics_host), "peer.metrics_host", "must not be empty")
         _check(
             0.0 < self.heartbeat_s <= 75.0,
             "peer.heartbeat_s",
