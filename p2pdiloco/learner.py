@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -36,8 +36,9 @@ log = logging.getLogger(__name__)
 Submit = Callable[[int, int, bytes], "Future[Outcome]"]
 """Hand a CONTRIBUTION frame (fragment, target round, frame) to the event loop."""
 
-ContributorsOf = Callable[[int, int], "frozenset[str] | None"]
-"""Peers the canonical record of (fragment, round) lists, or None when no record is known."""
+ContributorsOf = Callable[[int, int], "Mapping[str, float] | frozenset[str] | None"]
+"""Peers the canonical record of (fragment, round) lists (with their merge weights), or
+None when no record is known."""
 
 KEPT_PER_FRAGMENT = 16
 """Decided deltas a learner keeps a fragment (merged and folded), to move their progress
@@ -661,6 +662,8 @@ class Learner:
             if item is not None and item.target_round < new_round:
                 listed = self.contributors_of(fragment, item.target_round)
                 merged = item.reply == MERGED if listed is None else self.peer_id in listed
+                if merged and isinstance(listed, Mapping):  # decided before the reply came
+                    item.weight = float(listed[self.peer_id])
             leaving = item.progress if merged and item is not None else None
             take_over(self._params, old_base, new_base, mode, alpha, leaving)
             self.bases[fragment] = (new_round, new_base)

@@ -36,6 +36,7 @@ from p2pdiloco.heap import heap_free_bytes
 from p2pdiloco.learner import Learner
 from p2pdiloco.learner_link import LearnerLink, Outcome
 from p2pdiloco.membership import Heartbeat, learners, live_members, members_key, seal_heartbeat
+from p2pdiloco.metrics import MetricsServer, PeerMetrics, totals_of
 from p2pdiloco.model import build_model
 from p2pdiloco.ranks import RankGroup, follow_lead, join_ranks
 from p2pdiloco.record_rules import RunRecordRules
@@ -91,6 +92,12 @@ class PeerDaemon:
         self.on_progress = on_progress
         """Long work reports here: (phase, done, total), phases `data` and `state`."""
         self.emit = EventSink(options.events)
+        self.metrics_server: MetricsServer | None = None
+        """`--metrics-port`: Prometheus metrics counted from our events (p2pdiloco.metrics)."""
+        if options.metrics_port:
+            metrics = PeerMetrics(options.run, lambda: totals_of(self))
+            self.emit.listeners.append(metrics.on_event)
+            self.metrics_server = MetricsServer(metrics.registry, options.metrics_host, options.metrics_port)
         self.stop_event = threading.Event()
         self.loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self.loop.run_forever, name="p2pdiloco-net", daemon=True)
@@ -122,6 +129,8 @@ class PeerDaemon:
         self.ranks = join_ranks(self.config.train.device)  # torchrun: one learner, N processes
         if self.ranks is not None and not self.ranks.is_lead:
             return follow_lead(self.ranks, self.config)  # steps only; no network
+        if self.metrics_server is not None:  # a port in use is the operator's error: before joining
+            self.metrics_server.start()
         self._loop_thread.start()
         try:
             self._on_loop(self.transport.start(), self.options.startup_timeout_s + 30)
@@ -284,6 +293,8 @@ class PeerDaemon:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._loop_thread.join(10)
         self.worker.shutdown(wait=False, cancel_futures=True)
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
         self.emit({"event": "stopped"})
 
     async def _leave(self) -> None:
@@ -346,7 +357,9 @@ class PeerDaemon:
             "undecided_steps": {f: item.steps for f, item in parts.learner.in_flight.items()},
             "lost_steps": dict(p.lost_steps),
             "bytes_sent": p.bytes_sent,
-            "bytes_received": p.bytes_received + parts.link.bytes_received + parts.replicas.bytes_received,
+            # replies (the link counts each once; the learner's figure is the same bytes) and
+            # the updates and state this replica fetched
+            "bytes_received": parts.link.bytes_received + parts.replicas.bytes_received,
             "latencies_s": p.latencies_s,
             "eval_loss": p.eval_loss,
             "hashes": [state.fragment_hash(f) for f in range(state.num_fragments)],
@@ -394,7 +407,7 @@ class PeerDaemon:
             loss=progress.loss if progress else 0.0,
             eval_loss=progress.eval_loss if progress else 0.0,
             bytes_sent=progress.bytes_sent if progress else 0,
-            bytes_received=(progress.bytes_received + parts.link.bytes_received) if progress else 0,
+            bytes_received=(parts.link.bytes_received + parts.replicas.bytes_received) if progress else 0,
             software=f"p2pdiloco/{__version__}",
             config_hash=self.config_hash,
             certificates=self.certificates,

@@ -324,11 +324,11 @@ class ReplicaSync:
         """The canonical record of (round, fragment) as last read, if any."""
         return self.chains[fragment].get(round_id)
 
-    def contributors_of(self, fragment: int, round_id: int) -> frozenset[str] | None:
-        """Peers the record this replica applied (or last read) for the round lists, or
-        None when none is known (any thread: one dict read)."""
+    def contributors_of(self, fragment: int, round_id: int) -> dict[str, float] | None:
+        """Peer -> merge weight of the record this replica applied (or last read) for the
+        round, or None when none is known (any thread: one dict read)."""
         record = self.chains[fragment].get(round_id)
-        return None if record is None else frozenset(c[0] for c in record.contributors)
+        return None if record is None else {c[0]: float(c[1]) for c in record.contributors}
 
     def _on_canonical_branch(self, fragment: int, chain: dict[int, RoundRecord]) -> bool:
         """True unless some round this replica applied differs from the chain's record."""

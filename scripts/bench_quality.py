@@ -66,9 +66,9 @@ AGREEMENT = [
     "train.warmup_steps=10",
     "train.device='cpu'",
     "sync.inner_steps=20",
-    "sync.min_quorum=3",
 ]
-"""The agreement check: 3 real learners (tiny), 10 rounds, K = all."""
+"""The agreement check: real learners (tiny), 10 rounds; K and the learner count are
+`--agreement-quorums` / `--agreement-learners` (default: 3 learners, K = 3)."""
 AGREEMENT_LEARNERS, AGREEMENT_ROUNDS, AGREEMENT_EVAL_BATCHES = 3, 10, 8
 
 
@@ -170,31 +170,43 @@ def real_swarm(sets: list[str], learners: int, rounds: int, eval_batches: int) -
         "step_s": [s["train_s"] / max(s["steps"], 1) for s in summaries],
         "steps": [s["steps"] for s in summaries],
         "latency_s": statistics.median([x for s in summaries for x in s["latencies_s"]] or [0.0]),
+        # steps carried by committed deltas / steps computed (one fragment: fragment-steps)
+        "work_efficiency": sum(s.get("steps_contributed", 0) for s in summaries)
+        / max(sum(s["steps"] for s in summaries), 1),
+        "rounds": max(max(s["rounds"]) for s in summaries),
     }
 
 
-def agreement(corpus: Corpus) -> dict:
+def agreement(corpus: Corpus, learners: int = AGREEMENT_LEARNERS, quorum: int = AGREEMENT_LEARNERS) -> dict:
     """A real swarm and the decoupled simulator on the schedule it measured: how far apart
     their held-out losses end (relative). The simulator gets the real learners' step times
     (as speeds), their mean step count as its length, and the median send-to-result
     latency as `sync_s`; the data shards, seeds, schedule of the learning rate and the
     held-out batches are the same."""
     total_steps = AGREEMENT_ROUNDS * 20
-    sets = [*AGREEMENT, f"train.total_steps={total_steps}"]
-    real = real_swarm(sets, AGREEMENT_LEARNERS, AGREEMENT_ROUNDS, AGREEMENT_EVAL_BATCHES)
+    sets = [*AGREEMENT, f"train.total_steps={total_steps}", f"sync.min_quorum={quorum}"]
+    real = real_swarm(sets, learners, AGREEMENT_ROUNDS, AGREEMENT_EVAL_BATCHES)
     fastest = min(real["step_s"])
     speeds = ",".join(f"{fastest / s:.3f}" for s in real["step_s"])
     config = load_config(None, [
-        *sets, "simulate.mode='decoupled'", f"simulate.learners={AGREEMENT_LEARNERS}",
+        *sets, "simulate.mode='decoupled'", f"simulate.learners={learners}",
         f"simulate.rounds={round(statistics.mean(real['steps']) / 20)}", "simulate.baseline=false",
         f"simulate.eval_batches={AGREEMENT_EVAL_BATCHES}", f"simulate.speeds='{speeds}'",
         f"simulate.step_time_s={fastest}", f"simulate.sync_s={real['latency_s']}",
     ])  # fmt: skip
     simulated = simulate(config, corpus=corpus, channel=make_channel(config, config.compress.codec))
+    simulated_efficiency = simulated.schedule["work_efficiency"]
     return {
+        "learners": learners,
+        "min_quorum": quorum,
         "real_eval_loss": real["eval_loss"],
         "simulated_eval_loss": simulated.diloco_eval_loss,
         "relative_difference": abs(simulated.diloco_eval_loss - real["eval_loss"]) / real["eval_loss"],
+        "real_work_efficiency": real["work_efficiency"],
+        "simulated_work_efficiency": simulated_efficiency,
+        "work_efficiency_difference": abs(simulated_efficiency - real["work_efficiency"]),
+        "real_rounds": real["rounds"],
+        "simulated_rounds": simulated.schedule["rounds"],
         "real_step_s": real["step_s"],
         "real_steps": real["steps"],
         "real_latency_s": real["latency_s"],
@@ -295,6 +307,13 @@ def main() -> int:
         "--agreement", action="store_true", help="also a real swarm against the simulator (minutes)"
     )
     parser.add_argument(
+        "--agreement-learners", type=int, default=AGREEMENT_LEARNERS, help="real learners of the agreement check"
+    )
+    parser.add_argument(
+        "--agreement-quorums", default=str(AGREEMENT_LEARNERS),
+        help="comma-separated K of the agreement check, one real swarm each (e.g. 1,2)",
+    )  # fmt: skip
+    parser.add_argument(
         "--set", dest="overrides", action="append", default=[], help="extra config override"
     )
     args = parser.parse_args()
@@ -361,7 +380,11 @@ def main() -> int:
             }
 
     if args.agreement:
-        report["agreement"] = agreement(corpus)
+        checks = [
+            agreement(corpus, args.agreement_learners, int(k)) for k in args.agreement_quorums.split(",")
+        ]
+        report["agreement"] = checks[0]
+        report["agreements"] = checks
     report["wall_s"] = round(time.time() - started, 1)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
