@@ -138,8 +138,8 @@ def test_straggler_inside_the_grace_window_is_merged_one_after_it_lands_next_rou
     )
     merged = [e for e in logs[3].of("contributed") if e["status"] == "merged"]
     assert merged[0]["round"] == 1, "the late delta's work lands in the next round"
-    carried = [e for e in logs[3].of("delta_merged") if e["round"] == 1]
-    assert carried and carried[0]["steps"] > folded["steps"], "with the steps taken since"
+    carried = logs[3].wait(lambda e: e.get("event") == "delta_merged" and e["round"] == 1, ROUND_WAIT_S)
+    assert carried["steps"] > folded["steps"], "with the steps taken since"
     assert_replicas_identical(logs)
 
 
