@@ -403,6 +403,8 @@ class Learner:
                 "tokens": item.tokens,
                 "steps": item.steps,
                 "step_time_s": self.progress.step_time_s,
+                "first_step": max(item.first_step, 0),
+                "last_step": max(item.last_step, 0),
             },
             tensors=item.tensors,
         )

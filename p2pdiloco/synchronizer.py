@@ -90,6 +90,9 @@ class Window:
     """Better-placed synchronizers its learners could not reach (failover): not moved to."""
     sealed: dict[str, bytes] = field(default_factory=dict)
     """peer -> its signed contribution, as received (kept for auditors once committed)."""
+    step_ranges: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """peer -> (first, last) of the learner's own steps its delta says it carries (for
+    the round_closed event only: goodput is attributed to when the work was done)."""
     closing: asyncio.Task | None = None
     """The task merging and committing it once the machine closed it (a leaving peer
     lets it finish)."""
@@ -274,6 +277,7 @@ class Synchronizer:
         if refusal:
             return self._reject(target, fragment, refusal, caller)
         window.unreachable |= unreachable
+        window.step_ranges[caller] = (int(msg.meta.get("first_step", 0)), int(msg.meta.get("last_step", 0)))
         window.candidates[caller] = Candidate(
             caller, delta, int(msg.meta["tokens"]), steps, staleness=target - base_round
         )
@@ -504,6 +508,7 @@ class Synchronizer:
                 "tokens": [claimed[c[0]].tokens for c in update.contributors],
                 "steps": [claimed[c[0]].steps for c in update.contributors],
                 "staleness": [claimed[c[0]].staleness for c in update.contributors],
+                "step_ranges": [list(window.step_ranges.get(c[0], (0, 0))) for c in update.contributors],
                 "refused": sorted(refused),
                 "holders": list(holders),
                 "grace_s": grace_s,

@@ -167,12 +167,15 @@ register_kind(
     MessageKind(
         CONTRIBUTION,
         required={"peer": "str", "base_round": "uint", "tokens": "uint", "steps": "uint"},
-        optional={"unreachable": "list", "step_time_s": "float"},
+        optional={"unreachable": "list", "step_time_s": "float", "first_step": "uint", "last_step": "uint"},
         bounds={
             "base_round": (0, MAX_COUNT),
             "tokens": (0, MAX_COUNT),
             "steps": (0, MAX_COUNT),
             "step_time_s": (0.0, MAX_STEP_TIME_S),
+            # the learner's own step counts (informative: goodput is attributed by them)
+            "first_step": (0, MAX_COUNT),
+            "last_step": (0, MAX_COUNT),
         },
     )
 )

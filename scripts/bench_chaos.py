@@ -11,13 +11,15 @@ the embedded default's quorum (K = 1) and grace; the same schedule then runs aga
 synchronous baseline (`sync.min_quorum` = N, `sync.max_grace_s=0`: every round waits for
 every learner). Figures per configuration and phase (Decoupled DiLoCo's definitions):
 
-    goodput            tokens of inner steps carried by deltas in committed rounds, each
-                       step once (claims equal the work a delta carries) / (N learners x
+    goodput            tokens of the phase's inner steps carried by deltas in committed
+                       rounds, each step once (claims equal the work a delta carries,
+                       attributed to when it was computed) / (N learners x
                        phase length x fault-free tokens/s per learner): downtime, redone and
                        lost work all count against it
     goodput_bound      1 - the share of learner-time the kills took down (kill to restart),
                        which no design can recover
-    work_efficiency    merged tokens / tokens the learners computed in the phase
+    work_efficiency    tokens computed in the phase that reached a committed round (by the
+                       step ranges each merged delta carries) / tokens computed in it
     lost_steps         steps reported lost by reason (refused, non_finite, overwrite, ...),
                        and "crash": steps computed, never merged, not reported (the local
                        progress of a killed process), over the whole run
@@ -462,9 +464,13 @@ def analyze(run: dict[str, Any]) -> dict[str, Any]:
     rate_fault_free = computed_in(*warm) / (n_learners * w)
     """Tokens per second per learner when nothing fails (per fragment, as claims count)."""
 
+    merged_steps_at = _merged_step_times(incs, peer_of, closed_by, curves)
+
     def phase(a: float, b: float) -> dict[str, Any]:
         keys = [k for k, t in close_t.items() if a <= t < b]
-        merged_tokens = sum(merged_in(k)[0] for k in keys if k in closed_by)
+        merged_closed = sum(merged_in(k)[0] for k in keys if k in closed_by)
+        # the work done in the phase that reached a committed round (whenever it closed)
+        merged_tokens = tps * sum(1 for t in merged_steps_at if a <= t < b) if merged_steps_at else merged_closed
         computed = computed_in(a, b)
         capacity = n_learners * (b - a) * rate_fault_free
         down = sum(
@@ -477,7 +483,8 @@ def analyze(run: dict[str, Any]) -> dict[str, Any]:
             "goodput": merged_tokens / capacity if capacity else None,
             "goodput_bound": 1.0 - down / (n_learners * (b - a)),
             "work_efficiency": merged_tokens / computed if computed else None,
-            "merged_tokens": merged_tokens,
+            "merged_tokens": round(merged_tokens),
+            "merged_tokens_by_close": merged_closed,
             "computed_tokens": round(computed),
             "capacity_tokens": round(capacity),
             "deltas_merged": sum(merged_in(k)[1] for k in keys if k in closed_by),
@@ -546,6 +553,41 @@ def analyze(run: dict[str, Any]) -> dict[str, Any]:
         "stderr_errors": _merged_counts(incs, "stderr_errors", 40),
         "stderr_warnings": _merged_counts(incs, "stderr_warnings", 15),
     }
+
+
+def _merged_step_times(
+    incs: list[dict[str, Any]],
+    peer_of: dict[int, str | None],
+    closed_by: dict[tuple[int, int], Event],
+    curves: list[list[tuple[float, float]]],
+) -> list[float]:
+    """When each step carried by a committed delta was computed (one time per
+    fragment-step), from the deltas' step ranges in `round_closed` and the step curve of
+    the process that shipped them (the one whose `shipped` event names that range).
+    Empty for a dump from before round_closed carried step ranges."""
+    shippers: dict[tuple[str | None, int, int, int, int], int] = {}
+    for index, inc in enumerate(incs):
+        for e in inc["events"]:
+            if e.get("event") == "shipped" and "first_step" in e:
+                key = (peer_of[id(inc)], e["fragment"], e["round"], e["first_step"], e["last_step"])
+                shippers[key] = index
+    times: list[float] = []
+    for (fragment, round_id), closed in closed_by.items():
+        for peer, step_range in zip(closed["contributors"], closed.get("step_ranges", []), strict=False):
+            first, last = step_range
+            index = shippers.get((peer, fragment, round_id, first, last))
+            if index is None or not curves[index]:
+                continue
+            times.extend(_time_of_step(curves[index], k) for k in range(first, last + 1))
+    return times
+
+
+def _time_of_step(points: list[tuple[float, float]], step: float) -> float:
+    """When a process finished step `step`, linear between its reports."""
+    for (ta, sa), (tb, sb) in zip(points, points[1:], strict=False):
+        if sa <= step <= sb:
+            return ta + (tb - ta) * (step - sa) / max(sb - sa, 1e-9)
+    return points[-1][0] if step > points[-1][1] else points[0][0]
 
 
 def _lost_steps(
@@ -628,8 +670,8 @@ def report(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "decoupled": figures["decoupled"],
         "synchronous": figures["synchronous"],
         "goodput_measure": (
-            "tokens carried by the deltas of the rounds committed in the phase (the claims in "
-            "each round's round_closed event; a claim equals the work its delta carries) / "
+            "tokens of the inner steps computed in the phase that committed rounds carry (each "
+            "merged delta's step range in round_closed, timed by its process's step events) / "
             "(N learners x phase length x the fault-free phase's tokens/s per learner)"
         ),
         "targets": targets,
