@@ -140,6 +140,9 @@ def save_learner(directory: str | Path, learner: Any, config_hash: str) -> Path:
         "step_index": learner.trainer.step_index,
         "feedback": learner.feedback.state_dict() if learner.feedback is not None else {},
         "progress": progress,
+        # the local work no committed round holds, as progress against its base, so a
+        # restart rebases it onto whatever global state it finds (learner.local_work)
+        "local_work": learner.local_work(),
     }
     path = directory / FILE_NAME
     _atomic_write(path, lambda file: torch.save(payload, file))
@@ -218,6 +221,9 @@ def load_learner(directory: str | Path, learner: Any, config_hash: str) -> bool:
     for key, value in payload["progress"].items():
         if hasattr(learner.progress, key) and key not in ("status", "loop_s", "train_s", "rest_s"):
             setattr(learner.progress, key, value)
+    problem = learner.restore_local_work(payload.get("local_work"))
+    if problem:  # an older checkpoint, or one of another layout: its local work is gone
+        log.warning("checkpoint local work not restored path=%s problem=%r", path, problem)
     log.info("checkpoint loaded path=%s step=%d", path, learner.progress.step)
     return True
 

@@ -677,6 +677,62 @@ class Learner:
         self.trainer.params_written(written)
 
     @torch.no_grad()
+    def local_work(self) -> dict:
+        """Per fragment, the local work no committed round holds: `theta - base` minus the
+        progress of the delta on its way (if that one merges after a crash it is in the
+        global state; if not, it is lost with the crash), and its ledger less that claim.
+        What a checkpoint keeps so a restart loses only the steps since it was taken."""
+        work: dict[int, dict] = {}
+        for fragment, (_round, base) in self.bases.items():
+            item = self.in_flight.get(fragment)
+            carried = item.progress if item is not None and item.progress is not None else None
+            progress = {}
+            for name, value in base.items():
+                local = self._params[name].detach().float().cpu() - value
+                progress[name] = local - carried[name] if carried is not None else local
+            ledger = self.ledgers[fragment]
+            claim = item.claim if carried is not None else None
+            work[fragment] = {
+                "progress": progress,
+                "tokens": ledger.tokens - (claim.tokens if claim else 0),
+                "steps": ledger.steps - (claim.steps if claim else 0),
+                "last_step": ledger.last_step,
+            }
+        return work
+
+    @torch.no_grad()
+    def restore_local_work(self, work: object) -> str | None:
+        """Put checkpointed local work (`local_work`) back on the current bases; None when
+        done, else why not (nothing is changed then: the local parameters are the base)."""
+        self.restart_from_base(reason="")
+        if self.config.sync.on_receive != "rebase":
+            return "local work is kept only with sync.on_receive = rebase"
+        if not isinstance(work, dict) or set(work) != set(self.bases):
+            return "no local work for this fragment layout"
+        for fragment, saved in work.items():
+            names = self.bases[fragment][1]
+            if not isinstance(saved, dict) or not isinstance(saved.get("progress"), dict):
+                return f"fragment {fragment}: malformed"
+            progress = saved["progress"]
+            if set(progress) != set(names) or any(
+                not isinstance(progress[n], torch.Tensor) or progress[n].shape != names[n].shape
+                or not bool(torch.isfinite(progress[n]).all())
+                for n in names
+            ):
+                return f"fragment {fragment}: tensors do not match the model"
+            counts = [saved.get(k) for k in ("tokens", "steps", "last_step")]
+            if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
+                return f"fragment {fragment}: bad counters"
+        written = []
+        for fragment, saved in work.items():
+            move_progress(self._params, saved["progress"], +1)
+            written.extend(saved["progress"])
+            ledger = self.ledgers[fragment]
+            ledger.tokens, ledger.steps, ledger.last_step = saved["tokens"], saved["steps"], saved["last_step"]
+        self.trainer.params_written(written)
+        return None
+
+    @torch.no_grad()
     def restart_from_base(self, fragments: Iterable[int] | None = None, reason: str = "restart") -> None:
         """Set the fragments' local parameters to their base (no local progress): at start,
         after a checkpoint restore (its local progress stood on a base this process does

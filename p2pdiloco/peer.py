@@ -28,6 +28,7 @@ from p2pdiloco.audit import Auditor
 from p2pdiloco.checkpoint import load_learner, save_learner
 from p2pdiloco.config import PeerConfig, RunConfig, config_hash
 from p2pdiloco.data import Corpus, heldout_batches, learner_batches
+from p2pdiloco.doctor import check_clock_at_join
 from p2pdiloco.errors import ConfigError, NetworkSetupError
 from p2pdiloco.events import EventSink
 from p2pdiloco.faults import SplitView, crash_hook, faulty_contribute
@@ -134,13 +135,14 @@ class PeerDaemon:
         self._loop_thread.start()
         try:
             self._on_loop(self.transport.start(), self.options.startup_timeout_s + 30)
+            self._on_loop(check_clock_at_join(self.transport, self.options.initial_peers), 10)
             self.parts = parts = self._build()
             self._on_loop(self._start_network(), 120)
             self.emit({"ready": True, "peer_id": self.transport.peer_id, "maddrs": self.transport.visible_maddrs()})
             if self.options.checkpoint_dir:
+                # the checkpoint's local work is put back on this replica's bases; the join
+                # then rebases it onto the swarm's head like any update
                 restored = load_learner(self.options.checkpoint_dir, parts.learner, self.config_hash)
-                if restored:  # its local progress stood on a base this process never saw
-                    parts.learner.restart_from_base(reason="restart")
                 event = "checkpoint_loaded" if restored else "checkpoint_none"
                 self.emit({"event": event, "step": parts.learner.progress.step})
             self._on_loop(self._wait_for_peers(), self.options.wait_peers_timeout_s + 60)

@@ -71,6 +71,12 @@ class FakeLearner:
     trainer: FakeTrainer
     feedback: Any = None
 
+    def local_work(self) -> dict:
+        return {}
+
+    def restore_local_work(self, work: object) -> str | None:
+        return None
+
 
 def content(counter: int) -> torch.Tensor:
     """The tensor a checkpoint with this counter holds: different for every counter."""

@@ -303,3 +303,31 @@ def test_the_loop_rests_to_its_compute_share_and_reports_its_wall_speed(
         assert p.loop_s >= p.rest_s
         # the reported step time is the compute time / share: 4x a step's compute
         assert p.step_time_s >= 2 * p.train_s / p.step
+
+
+def test_a_restart_keeps_the_checkpointed_local_work_on_the_new_global(tiny_config, tiny_corpus, tmp_path) -> None:
+    """Invariant 6 across a crash: the local work no committed round holds is
+    checkpointed as progress against its base and rebased onto whatever global state the
+    restarted learner finds; the delta on its way is left out (if it merges after the
+    crash it is in the global, else it is lost with the crash)."""
+    from p2pdiloco.checkpoint import load_learner, save_learner
+
+    learner, state, sent = make_learner(tiny_config, tiny_corpus)
+    train(learner, 3)
+    shipped_local = local_params(learner)
+    learner.ship(0)  # 3 steps on their way, never answered: the process dies
+    train(learner, 2)
+    kept = {n: local_params(learner)[n] - shipped_local[n] for n in shipped_local}
+    save_learner(tmp_path, learner, "hash")
+
+    restarted, new_state, _ = make_learner(tiny_config, tiny_corpus)
+    apply(new_state)  # the swarm moved on while it was down
+    restarted.take_over_updates()
+    assert load_learner(tmp_path, restarted, "hash")
+    base = new_state.fragment_params(0)[1]
+    assert close(local_params(restarted), {n: base[n] + kept[n] for n in base})
+    assert restarted.ledgers[0].steps == 2 and restarted.ledgers[0].last_step == 5
+    # a checkpoint from before local work was kept restores nothing local, and says so
+    assert restarted.restore_local_work(None) is not None
+    assert close(local_params(restarted), base)
+
