@@ -11,11 +11,11 @@ the embedded default's quorum (K = 1) and grace; the same schedule then runs aga
 synchronous baseline (`sync.min_quorum` = N, `sync.max_grace_s=0`: every round waits for
 every learner). Figures per configuration and phase (Decoupled DiLoCo's definitions):
 
-    goodput            tokens of the phase's inner steps carried by deltas in committed
-                       rounds, each step once (claims equal the work a delta carries,
-                       attributed to when it was computed) / (N learners x
-                       phase length x fault-free tokens/s per learner): downtime, redone and
-                       lost work all count against it
+    goodput            tokens of inner steps carried by the deltas of the rounds committed
+                       in the phase, each step once (a claim equals the work its delta
+                       carries) / (N learners x phase length x fault-free tokens/s per
+                       learner): downtime, rejoining, stalls, redone and lost work all
+                       count against it
     goodput_bound      1 - the share of learner-time the kills took down (kill to restart),
                        which no design can recover
     work_efficiency    tokens computed in the phase that reached a committed round (by the
@@ -468,6 +468,7 @@ def analyze(run: dict[str, Any]) -> dict[str, Any]:
 
     def phase(a: float, b: float) -> dict[str, Any]:
         keys = [k for k, t in close_t.items() if a <= t < b]
+        # progress the swarm made in the phase: the work its committed rounds carried
         merged_closed = sum(merged_in(k)[0] for k in keys if k in closed_by)
         # the work done in the phase that reached a committed round (whenever it closed)
         merged_tokens = tps * sum(1 for t in merged_steps_at if a <= t < b) if merged_steps_at else merged_closed
@@ -480,11 +481,11 @@ def analyze(run: dict[str, Any]) -> dict[str, Any]:
         gaps = [y - x for x, y in zip([a, *f0], [*f0, b], strict=True)]
         stale = [x for k in keys if k in closed_by for x in closed_by[k].get("staleness", [])]
         return {
-            "goodput": merged_tokens / capacity if capacity else None,
+            "goodput": merged_closed / capacity if capacity else None,
             "goodput_bound": 1.0 - down / (n_learners * (b - a)),
             "work_efficiency": merged_tokens / computed if computed else None,
-            "merged_tokens": round(merged_tokens),
-            "merged_tokens_by_close": merged_closed,
+            "merged_tokens": merged_closed,
+            "merged_tokens_of_phase_work": round(merged_tokens),
             "computed_tokens": round(computed),
             "capacity_tokens": round(capacity),
             "deltas_merged": sum(merged_in(k)[1] for k in keys if k in closed_by),
@@ -670,9 +671,11 @@ def report(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "decoupled": figures["decoupled"],
         "synchronous": figures["synchronous"],
         "goodput_measure": (
-            "tokens of the inner steps computed in the phase that committed rounds carry (each "
-            "merged delta's step range in round_closed, timed by its process's step events) / "
-            "(N learners x phase length x the fault-free phase's tokens/s per learner)"
+            "tokens carried by the deltas of the rounds committed in the phase (the claims in "
+            "round_closed) / (N learners x phase length x the fault-free phase's tokens/s per "
+            "learner); work_efficiency: tokens computed in the phase that any committed round "
+            "carries (each merged delta's step range, timed by its process's step events) / "
+            "tokens computed in the phase"
         ),
         "targets": targets,
         "met": met(figures["decoupled"]),
