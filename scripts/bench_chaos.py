@@ -17,7 +17,8 @@ every learner). Figures per configuration and phase (Decoupled DiLoCo's definiti
                        learner): downtime, rejoining, stalls, redone and lost work all
                        count against it
     goodput_bound      1 - the share of learner-time the kills took down (kill to restart),
-                       which no design can recover
+                       which no design can recover; goodput_bound_to_training counts until
+                       the restarted process trains again (process start-up, join, state)
     work_efficiency    tokens computed in the phase that reached a committed round (by the
                        step ranges each merged delta carries) / tokens computed in it
     lost_steps         steps reported lost by reason (refused, non_finite, overwrite, ...),
@@ -461,6 +462,14 @@ def analyze(run: dict[str, Any]) -> dict[str, Any]:
     def computed_in(a: float, b: float) -> float:
         return tps * sum(_at(c, b) - _at(c, a) for c in curves) * num_fragments
 
+    back_at: dict[int, float] = {}
+    """id(kill) -> when its restarted process began training again (its `joined`)."""
+    for kill in run["kills"]:
+        for inc in incs:
+            if inc["learner"] == kill["learner"] and inc["spawned_t"] == kill["restart_t"]:
+                joined = next((e["t"] for e in inc["events"] if e.get("event") == "joined"), None)
+                if joined is not None:
+                    back_at[id(kill)] = joined
     rate_fault_free = computed_in(*warm) / (n_learners * w)
     """Tokens per second per learner when nothing fails (per fragment, as claims count)."""
 
@@ -477,12 +486,15 @@ def analyze(run: dict[str, Any]) -> dict[str, Any]:
         down = sum(
             max(0.0, min(k["restart_t"], b) - max(k["t"], a)) for k in run["kills"]
         )
+        # ... and until the restarted process trains again (start-up, join, state download)
+        out = sum(max(0.0, min(back_at.get(id(k), b), b) - max(k["t"], a)) for k in run["kills"])
         f0 = sorted(t for (f, _), t in close_t.items() if f == 0 and a <= t < b)
         gaps = [y - x for x, y in zip([a, *f0], [*f0, b], strict=True)]
         stale = [x for k in keys if k in closed_by for x in closed_by[k].get("staleness", [])]
         return {
             "goodput": merged_closed / capacity if capacity else None,
             "goodput_bound": 1.0 - down / (n_learners * (b - a)),
+            "goodput_bound_to_training": 1.0 - out / (n_learners * (b - a)),
             "work_efficiency": merged_tokens / computed if computed else None,
             "merged_tokens": merged_closed,
             "merged_tokens_of_phase_work": round(merged_tokens),
@@ -531,6 +543,12 @@ def analyze(run: dict[str, Any]) -> dict[str, Any]:
         "goodput_bound": chaotic["goodput_bound"],
         "goodput_to_bound": (
             chaotic["goodput"] / chaotic["goodput_bound"] if chaotic["goodput"] is not None else None
+        ),
+        "goodput_bound_to_training": chaotic["goodput_bound_to_training"],
+        "goodput_to_bound_to_training": (
+            chaotic["goodput"] / chaotic["goodput_bound_to_training"]
+            if chaotic["goodput"] is not None
+            else None
         ),
         "work_efficiency": chaotic["work_efficiency"],
         "work_efficiency_fault_free": fault_free["work_efficiency"],
