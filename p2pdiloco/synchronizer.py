@@ -512,6 +512,7 @@ class Synchronizer:
                 "refused": sorted(refused),
                 "holders": list(holders),
                 "grace_s": grace_s,
+                "sync_s": elapsed,
                 "hash": update.hash,
                 "clip_norm": result.screening.clip_norm,
             }

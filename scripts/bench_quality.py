@@ -170,6 +170,11 @@ def real_swarm(sets: list[str], learners: int, rounds: int, eval_batches: int) -
         "step_s": [s["train_s"] / max(s["steps"], 1) for s in summaries],
         "steps": [s["steps"] for s in summaries],
         "latency_s": statistics.median([x for s in summaries for x in s["latencies_s"]] or [0.0]),
+        # close to commit on the synchronizers (merge, hold, record): the simulator's sync_s
+        "sync_s": statistics.median(
+            [e["sync_s"] for peer in peers for e in peer.of("round_closed") if "sync_s" in e] or [0.0]
+        ),
+        "grace_s": statistics.median([e["grace_s"] for peer in peers for e in peer.of("round_closed")] or [0.0]),
         # steps carried by committed deltas / steps computed (one fragment: fragment-steps)
         "work_efficiency": sum(s.get("steps_contributed", 0) for s in summaries)
         / max(sum(s["steps"] for s in summaries), 1),
@@ -180,8 +185,9 @@ def real_swarm(sets: list[str], learners: int, rounds: int, eval_batches: int) -
 def agreement(corpus: Corpus, learners: int = AGREEMENT_LEARNERS, quorum: int = AGREEMENT_LEARNERS) -> dict:
     """A real swarm and the decoupled simulator on the schedule it measured: how far apart
     their held-out losses end (relative). The simulator gets the real learners' step times
-    (as speeds), their mean step count as its length, and the median send-to-result
-    latency as `sync_s`; the data shards, seeds, schedule of the learning rate and the
+    (as speeds), their mean step count as its length, the synchronizers' median commit
+    time as `sync_s` and half of what the median send-to-result latency leaves after it and
+    the median grace as `link_s`; the data shards, seeds, schedule of the learning rate and the
     held-out batches are the same."""
     total_steps = AGREEMENT_ROUNDS * 20
     sets = [*AGREEMENT, f"train.total_steps={total_steps}", f"sync.min_quorum={quorum}"]
@@ -192,7 +198,8 @@ def agreement(corpus: Corpus, learners: int = AGREEMENT_LEARNERS, quorum: int = 
         *sets, "simulate.mode='decoupled'", f"simulate.learners={learners}",
         f"simulate.rounds={round(statistics.mean(real['steps']) / 20)}", "simulate.baseline=false",
         f"simulate.eval_batches={AGREEMENT_EVAL_BATCHES}", f"simulate.speeds='{speeds}'",
-        f"simulate.step_time_s={fastest}", f"simulate.sync_s={real['latency_s']}",
+        f"simulate.step_time_s={fastest}", f"simulate.sync_s={real['sync_s']}",
+        f"simulate.link_s={max(real['latency_s'] - real['sync_s'] - real['grace_s'], 0.0) / 2:.4f}",
     ])  # fmt: skip
     simulated = simulate(config, corpus=corpus, channel=make_channel(config, config.compress.codec))
     simulated_efficiency = simulated.schedule["work_efficiency"]
@@ -210,6 +217,8 @@ def agreement(corpus: Corpus, learners: int = AGREEMENT_LEARNERS, quorum: int = 
         "real_step_s": real["step_s"],
         "real_steps": real["steps"],
         "real_latency_s": real["latency_s"],
+        "real_sync_s": real["sync_s"],
+        "real_grace_s": real["grace_s"],
         "simulated_schedule": simulated.schedule,
     }
 
