@@ -27,7 +27,7 @@ from p2pdiloco.config import RunConfig
 from p2pdiloco.devices import StagedCopy
 from p2pdiloco.fragments import fragments_due
 from p2pdiloco.ledger import Claim, Params, WorkLedger, move_progress, take_over
-from p2pdiloco.messages import MERGED, REJECTED, Outcome
+from p2pdiloco.messages import LATE, MERGED, REJECTED, Outcome
 from p2pdiloco.state import GlobalState
 from p2pdiloco.train import InnerTrainer, evaluate
 
@@ -168,6 +168,8 @@ class Learner:
         """Per fragment, the work in the local progress: the next claim."""
         self.in_flight: dict[int, InFlight] = {}
         """Per fragment, the one delta shipped against the current base, until decided."""
+        self.closed_round: dict[int, tuple[int, float]] = {}
+        """Per fragment, the latest round a synchronizer answered `late` for, and when."""
         self.due: set[int] = set()
         """Fragments whose ship came while the previous delta was undecided: shipped as soon
         as it is (their steps are not lost, only later)."""
@@ -327,6 +329,13 @@ class Learner:
         if busy or self.state.round_of(fragment) != base_round:
             self.due.add(fragment)
             return
+        closed_round, closed_at = self.closed_round.get(fragment, (-1, 0.0))
+        if closed_round >= base_round and time.monotonic() - closed_at < self.config.sync.round_deadline_s:
+            # the swarm already closed this base's round and the replica has not followed
+            # (no holder answers yet): another delta to it would be late too, so none is
+            # sent until the take-over moves the base, or for a round deadline at most
+            self.due.add(fragment)
+            return
         self.due.discard(fragment)
         if self.ledgers[fragment].steps == 0:
             return
@@ -466,6 +475,8 @@ class Learner:
                 # the swarm refused this work: folding it would send it again, and bigger
                 self._decide(fragment, item, lost=f"refused: {outcome.reason}"[:120])
             elif outcome.status != MERGED and outcome.status not in AMBIGUOUS:
+                if outcome.status == LATE:
+                    self.closed_round[fragment] = (item.target_round, time.monotonic())
                 self._decide(fragment, item, merged=False, why=outcome.status)
         self._decide_ambiguous()
         self.settle()

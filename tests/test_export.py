@@ -48,6 +48,9 @@ class SavedLearner:
     progress: Progress = dataclasses.field(default_factory=Progress)
     feedback: None = None
 
+    def local_work(self) -> dict:
+        return {}  # no local work off its base: the checkpoint's model is what is exported
+
 
 def trained_decoder(seed: int = 3):
     """A tiny decoder whose every tensor, the RMSNorm gains included, moved off its init

@@ -331,3 +331,23 @@ def test_a_restart_keeps_the_checkpointed_local_work_on_the_new_global(tiny_conf
     assert restarted.restore_local_work(None) is not None
     assert close(local_params(restarted), base)
 
+
+def test_no_delta_goes_to_a_round_the_swarm_closed_while_the_replica_cannot_follow(
+    tiny_config, tiny_corpus
+) -> None:
+    """A learner whose replica cannot fetch the update of a closed round (no holder) must
+    not ship to that round again every cycle: each would be late (a bandwidth storm). It
+    ships again once the take-over moves its base."""
+    learner, state, sent = make_learner(tiny_config, tiny_corpus)
+    train(learner, 2)
+    learner.ship(0)
+    sent[0][3].set_result(Outcome("late", 0, 0, "sync"))
+    learner.collect_outcomes()
+    train(learner, 1)
+    learner.ship(0)
+    assert len(sent) == 1 and 0 in learner.due, "held back: round 0 is closed, the replica is at 0"
+    apply(state)  # the update arrives after all
+    learner.take_over_updates()
+    learner.ship(0)
+    assert len(sent) == 2 and sent[1][1] == 1
+
