@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from p2pdiloco import wire
 from p2pdiloco.audit import UNVERIFIABLE, Auditor, AuditResult
+from p2pdiloco.backoff import backoff_delays, within
 from p2pdiloco.config import RunConfig
 from p2pdiloco.fragments import partition_fragments
 from p2pdiloco.membership import Heartbeat, live_members, members_key
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 
 POLL_S = 1.0
 """How often the observer re-reads the DHT while it waits (a poll period, not a sync)."""
+CATCH_UP_RETRY_CAP_S = 8.0
+"""Longest wait between attempts to catch up (they start at POLL_S and double, jittered), s."""
 
 
 def observer_state(config: RunConfig) -> GlobalState:
@@ -73,6 +76,7 @@ async def catch_up(replicas: ReplicaSync, members: RunMembers, fragments: list[i
     """Bring each of `fragments` to the head of its canonical chain; False when the
     monotonic `deadline` passes first (the run stalled, or no donor served its state)."""
     pending = list(fragments)
+    delays = backoff_delays(POLL_S, CATCH_UP_RETRY_CAP_S)
     while True:
         await members.refresh()
         pending = [f for f in pending if not await replicas.sync_fragment(f)]
@@ -80,7 +84,8 @@ async def catch_up(replicas: ReplicaSync, members: RunMembers, fragments: list[i
             return True
         if time.monotonic() > deadline:
             return False
-        await asyncio.sleep(POLL_S)
+        # no donor served it yet: retry later, jittered, before the deadline
+        await asyncio.sleep(within(next(delays), deadline, time.monotonic()))
 
 
 async def download_global_state(

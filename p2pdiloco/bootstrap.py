@@ -79,6 +79,26 @@ def check_multiaddr(text: str, where: str) -> str:
     return text
 
 
+def check_announce_maddr(text: str, where: str = "--announce-maddrs") -> str:
+    """An address to announce: a multiaddr with an IP or DNS name and an explicit TCP port,
+    without `/p2p/` (the node appends its own id). Checked before the transport starts:
+    hivemind takes a malformed one for a slow start and fails only at its timeout."""
+    from multiaddr import Multiaddr
+
+    try:
+        Multiaddr(text)
+    except Exception as exc:  # noqa: BLE001 - the parser raises several types
+        raise NetworkSetupError(f"{where}: {text!r} is not a valid multiaddr ({type(exc).__name__})") from None
+    parts = text.split("/")
+    if len(parts) < 5 or parts[1] not in ("ip4", "ip6", "dns", "dns4", "dns6") or parts[3] != "tcp":
+        raise NetworkSetupError(f"{where}: {text!r} must look like /ip4/203.0.113.7/tcp/31337")
+    if not parts[4].isdigit() or not 0 < int(parts[4]) < 65536:
+        raise NetworkSetupError(f"{where}: {text!r} needs an explicit port in 1..65535 (the one peers dial)")
+    if "/p2p/" in text:
+        raise NetworkSetupError(f"{where}: {text!r}: leave out /p2p/...: the node appends its own peer id")
+    return text
+
+
 def read_bootstrap_file(path: Path) -> list[str]:
     """The multiaddrs listed in a bootstrap file."""
     try:

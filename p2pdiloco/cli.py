@@ -302,6 +302,10 @@ def cmd_join(args: argparse.Namespace) -> int:
     from p2pdiloco.train import resolve_device
 
     resolve_device(config.train.device)  # fail before joining, with one line
+    if not args.skip_preflight:  # RAM, disk, device memory for the preset (p2pdiloco.preflight)
+        from p2pdiloco.preflight import local_findings, raise_if_fatal
+
+        raise_if_fatal(local_findings(config))
     peer = config.peer
     crash_at = peer.crash_at or os.environ.get("P2PDILOCO_CRASH_AT", "")
     try:
@@ -418,7 +422,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if args.no_dashboard:
             follow_plain(swarm, console)
         else:
-            follow_dashboard(swarm, config.sync.num_fragments, config.network.transport)
+            follow_dashboard(
+                swarm, config.sync.num_fragments, config.network.transport,
+                min_quorum=config.sync.min_quorum, max_grace_s=config.sync.max_grace_s,
+            )  # fmt: skip
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping every peer…[/]")
         swarm.shutdown()
@@ -455,12 +462,13 @@ def observer_config(args: argparse.Namespace):
     return dataclasses.replace(config, peer=peer), admission
 
 
-def _watched(args: argparse.Namespace) -> tuple[PeerConfig, int, str]:
+def _watched(args: argparse.Namespace) -> tuple[PeerConfig, int, str, dict[str, Any]]:
     """Whom a watcher joins through (`[peer]`, initial peers resolved), how many fragments,
-    and on which transport."""
-    config = config_from_args(args)
-    peer = _with_initial_peers(config.peer, new_run=False)
-    return peer, config.sync.num_fragments, config.network.transport
+    on which transport, and how it reads the run (the manifest's admission when the run
+    has one: uncertified records ignored, certified synchronizers shown; K; max grace)."""
+    config, admission = observer_config(args)
+    view = {"admission": admission, "min_quorum": config.sync.min_quorum, "max_grace_s": config.sync.max_grace_s}
+    return config.peer, config.sync.num_fragments, config.network.transport, view
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
@@ -469,9 +477,9 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
     from p2pdiloco.dashboard import watch
 
-    peer, num_fragments, transport = _watched(args)
+    peer, num_fragments, transport, view = _watched(args)
     try:
-        asyncio.run(watch(peer, num_fragments, args.refresh_s, transport_kind=transport))
+        asyncio.run(watch(peer, num_fragments, args.refresh_s, transport_kind=transport, **view))
     except KeyboardInterrupt:
         return 0
     return 0
@@ -485,8 +493,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from p2pdiloco.dashboard import observe_once, render_dashboard
 
-    peer, num_fragments, transport = _watched(args)
-    snapshot = asyncio.run(observe_once(peer, num_fragments, transport))
+    peer, num_fragments, transport, view = _watched(args)
+    snapshot = asyncio.run(observe_once(peer, num_fragments, transport, **view))
     if args.json:
         print(json.dumps(snapshot.to_json(), indent=2))
     else:
@@ -773,6 +781,9 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument(
         "--log-json", action="store_true", help="log one JSON object per line (for machines)"
     )
+    join.add_argument(
+        "--skip-preflight", action="store_true", help="join even if this machine looks too small (see `doctor`)"
+    )
     _add_join_flags(join)
     join.set_defaults(handler=cmd_join)
 
@@ -782,6 +793,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_peer_flag(bootstrap, "--manifest", "signed run manifest (default bootstrap_peers/<run>.toml)")
     _add_peer_flag(bootstrap, "--host", "listen address")
     _add_peer_flag(bootstrap, "--port", "listen port (0: any)", type=int)
+    _add_peer_flag(
+        bootstrap,
+        "--announce-maddrs",
+        "public addresses to announce and print, e.g. /ip4/203.0.113.7/tcp/31337 (a cloud VM's public IP)",
+        nargs="*",
+        metavar="MULTIADDR",
+    )
     _add_peer_flag(
         bootstrap, "--identity", "Ed25519 key file (created if missing)", "identity_path"
     )
@@ -815,9 +833,11 @@ def build_parser() -> argparse.ArgumentParser:
             watcher.add_argument("--json", action="store_true", help="machine-readable output")
         watcher.set_defaults(handler=handler)
 
+    from p2pdiloco.doctor import add_command as add_doctor
     from p2pdiloco.runs import add_commands
 
     add_commands(sub, _add_config_options, _add_watch_flags)
+    add_doctor(sub, _add_config_options, _add_watch_flags, _add_peer_flag)
 
     for name, handler, help_text in [
         ("export", cmd_export, "write the model as safetensors that transformers loads (LlamaForCausalLM)"),
@@ -894,7 +914,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USER_ERROR
     _setup_logging(args.verbose, getattr(args, "log_json", False))
-    if args.command in ("demo", "dashboard", "status") and not args.verbose:
+    if args.command in ("demo", "dashboard", "status", "doctor") and not args.verbose:
         # The screen belongs to the dashboard: only warnings and errors go to the log.
         logging.getLogger().setLevel(logging.WARNING)
     try:

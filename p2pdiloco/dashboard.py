@@ -1,9 +1,11 @@
 """The terminal dashboard: plain data in, rich renderables out.
 
 It reads what peers publish (heartbeats and round records) and never drives the run.
-`SwarmSnapshot` is the data; `render_*` are pure functions of a snapshot; `Observer`
-builds snapshots from a transport; `watch` (the live screen) and `observe_once` join the
-DHT as a client-mode observer, for `p2pdiloco dashboard`, `status` and `demo`.
+`SwarmSnapshot` is the data; the `render_*` functions of `p2pdiloco.panels` are pure
+functions of a snapshot; `Observer` builds snapshots from a transport, applying the run's
+admission (a record of a synchronizer the run does not entitle is ignored, a certified one
+is shown as such); `watch` (the live screen) and `observe_once` join the DHT as a
+client-mode observer, for `p2pdiloco dashboard`, `status` and `demo`.
 """
 
 from __future__ import annotations
@@ -14,16 +16,38 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rich.console import Group, RenderableType
-from rich.panel import Panel
-from rich.table import Table
-from rich.text import Text
-
 from p2pdiloco.config import PeerConfig
 from p2pdiloco.membership import Heartbeat, live_members, members_key
-from p2pdiloco.rounds import RoundRecord, open_record, rounds_key
+from p2pdiloco.panels import (
+    CERTIFIED,
+    NOT_ADMITTED,
+    human_bytes,
+    loss_spread,
+    render_dashboard,
+    render_header,
+    render_peers,
+    short,
+    sparkline,
+    weight_shares,
+)
+from p2pdiloco.rounds import RoundRecord, open_record, rank, rounds_key
+from p2pdiloco.trust import Admission
 
-SPARK = "▁▂▃▄▅▆▇█"
+__all__ = [
+    "Observer",
+    "SwarmSnapshot",
+    "human_bytes",
+    "observe_once",
+    "render_dashboard",
+    "render_header",
+    "render_peers",
+    "short",
+    "sparkline",
+    "watch",
+]
+
+HISTORY_ROUNDS = 16
+"""Rounds per fragment the observer keeps for the panels (one record a round)."""
 
 
 @dataclass
@@ -41,6 +65,19 @@ class SwarmSnapshot:
     last_seen: dict[str, float] = field(default_factory=dict)
     """DHT time each peer was last seen alive (gone peers stay listed for a while)."""
     gone: dict[str, Heartbeat] = field(default_factory=dict)
+    history: list[list[RoundRecord]] = field(default_factory=list)
+    """Per fragment, the last `HISTORY_ROUNDS` rounds seen, one record a round (the
+    best-ranked of rivals), oldest first."""
+    min_quorum: int = 1
+    """The run's `sync.min_quorum` (K): deltas a window needs before it may close."""
+    max_grace_s: float = 0.0
+    """The run's `sync.max_grace_s`: the longest a window waits for stragglers."""
+    admission: dict[str, str] = field(default_factory=dict)
+    """Per live peer, what the run's admission makes of it: `certified` (may synchronize
+    in a certified run), `not admitted` (its deltas are refused), `learner` (admitted,
+    may not synchronize) or `open`."""
+    admission_modes: str = ""
+    """The run's admission when not open everywhere, e.g. `synchronizers certified, learners open`."""
 
     def learners(self) -> list[Heartbeat]:
         return sorted(
@@ -66,137 +103,90 @@ class SwarmSnapshot:
                 for r in self.rounds
             ],
             "peers": [
-                dataclasses.asdict(b) | {"last_seen": self.last_seen.get(b.peer_id)}
+                _peer_json(b) | {"last_seen": self.last_seen.get(b.peer_id), "admission": self.admission.get(b.peer_id, "open")}
                 for b in self.learners()
             ],
             "tokens_per_s": sum(b.tokens_per_s for b in self.learners()),
             "eval_loss": self.loss_history[-1] if self.loss_history else None,
+            "admission": self.admission_modes or "open",
+            "min_quorum": self.min_quorum,
+            "windows": [
+                [
+                    {
+                        "round": r.round,
+                        "synchronizer": r.synchronizer,
+                        "contributors": [{"peer_id": p, "weight": w, "tokens": t} for p, w, t in r.contributors],
+                        "refused": len(r.refused),
+                        "grace_s": r.grace_s,
+                        "closed_at": r.closed_at,
+                    }
+                    for r in fragment
+                ]
+                for fragment in self.history
+            ],
+            "weight_shares": [dataclasses.asdict(s) for s in weight_shares(self)],
+            "loss_spread": {
+                name: None if spread is None else dataclasses.asdict(spread) | {"width": spread.width}
+                for name, spread in (("train", loss_spread(self.learners(), "loss")), ("eval", loss_spread(self.learners(), "eval_loss")))
+            },
         }
 
 
-def sparkline(values: list[float], width: int = 30) -> str:
-    """A one-line chart of the last `width` values (lower is a shorter bar)."""
-    values = values[-width:]
-    if not values:
-        return ""
-    low, high = min(values), max(values)
-    span = (high - low) or 1.0
-    return "".join(SPARK[int((v - low) / span * (len(SPARK) - 1))] for v in values)
+def _peer_json(beat: Heartbeat) -> dict[str, Any]:
+    """A heartbeat as JSON: its fields, certificates as a count (bytes are not JSON)."""
+    data = dataclasses.asdict(beat)
+    data["certificates"] = len(beat.certificates)
+    return data
 
 
-def human_bytes(num: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(num) < 1000 or unit == "TB":
-            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
-        num /= 1000
-    return f"{num:.1f} TB"
-
-
-def short(peer_id: str) -> str:
-    return f"…{peer_id[-6:]}" if len(peer_id) > 6 else peer_id
-
-
-def peer_status(beat: Heartbeat) -> str:
-    """training / syncing / straggling / leaving / starting, as the peer reports it."""
-    return beat.status
-
-
-def render_header(snapshot: SwarmSnapshot) -> RenderableType:
-    """Run name, rounds and synchronizers per fragment, live peers, throughput, loss, bytes."""
-    learners = snapshot.learners()
-    tokens_per_s = sum(b.tokens_per_s for b in learners)
-    sent = sum(b.bytes_sent for b in learners)
-    received = sum(b.bytes_received for b in learners)
-    rounds = []
-    for fragment, record in enumerate(snapshot.rounds):
-        if record is None:
-            rounds.append(f"f{fragment}: round 0")
-        else:
-            rounds.append(
-                f"f{fragment}: round {record.round + 1} (last by {short(record.synchronizer)}, {len(record.contributors)} merged)"
-            )
-    syncing = sorted({short(b.peer_id) for b in learners if b.synchronizing})
-    loss = snapshot.loss_history[-1] if snapshot.loss_history else None
-    lines = [
-        Text.assemble(
-            ("run ", "bold"),
-            (snapshot.run, "cyan"),
-            ("   live peers ", "bold"),
-            str(len(learners)),
-            ("   swarm ", "bold"),
-            f"{tokens_per_s:,.0f} tok/s",
-        ),
-        Text.assemble(("rounds ", "bold"), "  ".join(rounds) or "none yet"),
-        Text.assemble(("synchronizing now ", "bold"), ", ".join(syncing) or "-"),
-        Text.assemble(
-            ("held-out loss ", "bold"),
-            f"{loss:.4f} " if loss else "- ",
-            (sparkline(snapshot.loss_history), "green"),
-        ),
-        Text.assemble(("bytes ", "bold"), f"up {human_bytes(sent)}  down {human_bytes(received)}"),
-    ]
-    return Panel(Group(*lines), title="p2pdiloco", border_style="blue")
-
-
-def render_peers(snapshot: SwarmSnapshot) -> RenderableType:
-    """One row per peer: id, device, throughput, contributions, weight, last seen, role, status."""
-    table = Table(expand=True)
-    for name, justify in [
-        ("peer", "left"),
-        ("device", "left"),
-        ("tok/s", "right"),
-        ("tokens contrib.", "right"),
-        ("rounds contrib.", "right"),
-        ("last weight", "right"),
-        ("last seen", "right"),
-        ("role", "left"),
-        ("status", "left"),
-    ]:
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
-    rows = [
-        (b, "synchronizer" if b.synchronizing else "learner", peer_status(b))
-        for b in snapshot.learners()
-    ]
-    rows += [
-        (b, "learner", "gone") for b in sorted(snapshot.gone.values(), key=lambda b: b.peer_id)
-    ]
-    for beat, role, status in rows:
-        seen = snapshot.taken_at - snapshot.last_seen.get(beat.peer_id, snapshot.taken_at)
-        style = {"gone": "dim", "straggling": "yellow", "syncing": "cyan"}.get(status, "")
-        table.add_row(
-            short(beat.peer_id),
-            beat.device,
-            f"{beat.tokens_per_s:,.0f}",
-            f"{beat.tokens_contributed:,}",
-            str(beat.rounds_contributed),
-            f"{beat.last_weight:.2f}",
-            f"{max(seen, 0):.0f}s ago",
-            role,
-            status,
-            style=style,
-        )
-    return table
-
-
-def render_dashboard(snapshot: SwarmSnapshot) -> RenderableType:
-    """The whole screen."""
-    return Group(render_header(snapshot), render_peers(snapshot))
+def admission_label(admission: Admission, run: str, beat: Heartbeat, now: float) -> str:
+    """What the run's admission makes of a live peer (`SwarmSnapshot.admission`)."""
+    if admission.learner_refusal(run, beat.peer_id, beat.certificates, now) is not None:
+        return NOT_ADMITTED
+    if admission.synchronizers == "certified":
+        entitled = admission.synchronizer_refusal(run, beat.peer_id, beat.certificates, now) is None
+        return CERTIFIED if entitled else "learner"
+    return "open"
 
 
 class Observer:
     """Builds snapshots of a run from a started transport (client mode is enough)."""
 
     def __init__(
-        self, transport: Any, run: str, num_fragments: int, keep_gone_s: float = 60.0
+        self,
+        transport: Any,
+        run: str,
+        num_fragments: int,
+        keep_gone_s: float = 60.0,
+        admission: Admission | None = None,
+        min_quorum: int = 1,
+        max_grace_s: float = 0.0,
     ) -> None:
         self.transport = transport
         self.run = run
         self.num_fragments = num_fragments
         self.keep_gone_s = keep_gone_s
+        self.admission = admission or Admission()
         self.snapshot = SwarmSnapshot(
-            run=run, taken_at=transport.now(), rounds=[None] * num_fragments
+            run=run,
+            taken_at=transport.now(),
+            rounds=[None] * num_fragments,
+            history=[[] for _ in range(num_fragments)],
+            min_quorum=min_quorum,
+            max_grace_s=max_grace_s,
+            admission_modes=""
+            if self.admission.is_open
+            else f"synchronizers {self.admission.synchronizers}, learners {self.admission.learners}",
         )
         self._seen_beats: dict[str, Heartbeat] = {}
+        self._records: list[dict[int, RoundRecord]] = [{} for _ in range(num_fragments)]
+
+    def _entitled(self, record: RoundRecord) -> bool:
+        """Whether the run lets `record`'s synchronizer commit it (the DHT's rule too)."""
+        refusal = self.admission.synchronizer_refusal(
+            self.run, record.synchronizer, record.certificates, record.closed_at
+        )
+        return refusal is None
 
     async def refresh(self) -> SwarmSnapshot:
         now = self.transport.now()
@@ -213,13 +203,22 @@ class Observer:
             for p, b in self._seen_beats.items()
             if p not in snap.members and now - snap.last_seen.get(p, now) < self.keep_gone_s
         }
+        snap.admission = {p: admission_label(self.admission, self.run, b, now) for p, b in snap.members.items()}
         for fragment in range(self.num_fragments):
             raw = await self.transport.get(rounds_key(self.run, fragment))
-            decoded = [
-                r for r in (open_record(self.run, v) for v, _ in raw.values()) if r is not None
-            ]
-            if decoded:
-                snap.rounds[fragment] = max(decoded, key=lambda r: r.round)
+            kept = self._records[fragment]
+            for value, _expiration in raw.values():
+                record = open_record(self.run, value)
+                if record is None or record.fragment != fragment or not self._entitled(record):
+                    continue
+                held = kept.get(record.round)
+                if held is None or rank(self.run, record) < rank(self.run, held):
+                    kept[record.round] = record
+            for old in sorted(kept)[:-HISTORY_ROUNDS]:
+                del kept[old]
+            snap.history[fragment] = [kept[r] for r in sorted(kept)]
+            if kept:
+                snap.rounds[fragment] = kept[max(kept)]
         losses = [b.eval_loss for b in snap.members.values() if b.eval_loss > 0]
         if losses:
             loss = min(losses)
@@ -228,9 +227,10 @@ class Observer:
         return snap
 
 
-async def _open_observer(peer: PeerConfig, num_fragments: int, kind: str) -> tuple[Any, Observer]:
+async def _open_observer(peer: PeerConfig, num_fragments: int, kind: str, **view: Any) -> tuple[Any, Observer]:
     """A started client-mode transport joined through `peer.initial_peers`, and an
-    observer of `peer.run` on it (never the peer's own address or identity)."""
+    observer of `peer.run` on it (never the peer's own address or identity); `view`:
+    the observer's admission, min_quorum and max_grace_s."""
     from p2pdiloco.peer import make_transport_for
 
     transport = make_transport_for(
@@ -242,12 +242,14 @@ async def _open_observer(peer: PeerConfig, num_fragments: int, kind: str) -> tup
         kind=kind,
     )
     await transport.start()
-    return transport, Observer(transport, peer.run, num_fragments)
+    return transport, Observer(transport, peer.run, num_fragments, **view)
 
 
-async def observe_once(peer: PeerConfig, num_fragments: int, transport_kind: str = "hivemind") -> SwarmSnapshot:
-    """One snapshot of the run (`p2pdiloco status`)."""
-    transport, observer = await _open_observer(peer, num_fragments, transport_kind)
+async def observe_once(
+    peer: PeerConfig, num_fragments: int, transport_kind: str = "hivemind", **view: Any
+) -> SwarmSnapshot:
+    """One snapshot of the run (`p2pdiloco status`); `view` as for `Observer`."""
+    transport, observer = await _open_observer(peer, num_fragments, transport_kind, **view)
     try:
         return await observer.refresh()
     finally:
@@ -260,11 +262,13 @@ async def watch(
     refresh_s: float = 1.0,
     keep_going: Callable[[], bool] = lambda: True,
     transport_kind: str = "hivemind",
+    **view: Any,
 ) -> None:
-    """The live screen: a fresh snapshot every `refresh_s` seconds while `keep_going()`."""
+    """The live screen: a fresh snapshot every `refresh_s` seconds while `keep_going()`;
+    `view` as for `Observer` (admission, min_quorum, max_grace_s)."""
     from rich.live import Live
 
-    transport, observer = await _open_observer(peer, num_fragments, transport_kind)
+    transport, observer = await _open_observer(peer, num_fragments, transport_kind, **view)
     try:
         with Live(render_dashboard(await observer.refresh()), refresh_per_second=2) as live:
             while keep_going():

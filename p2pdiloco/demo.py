@@ -183,13 +183,14 @@ def follow_plain(swarm: LocalSwarm, console: Console) -> None:
         time.sleep(0.5)  # polling the children's event lists, not synchronising
 
 
-def follow_dashboard(swarm: LocalSwarm, num_fragments: int, transport_kind: str = "hivemind") -> None:
-    """The live dashboard, fed by an observer on the swarm's DHT, until every learner left."""
+def follow_dashboard(swarm: LocalSwarm, num_fragments: int, transport_kind: str = "hivemind", **view: Any) -> None:
+    """The live dashboard, fed by an observer on the swarm's DHT, until every learner left;
+    `view`: the run's min_quorum and max_grace_s (`dashboard.Observer`)."""
     from p2pdiloco.dashboard import watch
 
     observer = PeerConfig(initial_peers=tuple(swarm.bootstrap_maddrs))
     asyncio.run(
-        watch(observer, num_fragments, refresh_s=1.0, keep_going=swarm.running, transport_kind=transport_kind)
+        watch(observer, num_fragments, refresh_s=1.0, keep_going=swarm.running, transport_kind=transport_kind, **view)
     )
 
 

@@ -4,7 +4,8 @@
     ├── ConfigError           a bad config value, file or override (names the dotted field)
     ├── DataError             missing, empty or unreadable training data (names the path)
     ├── DeviceError           a device that was asked for and is not available
-    └── NetworkSetupError     bad multiaddr, unknown run, port in use, no peers reachable
+    ├── NetworkSetupError     bad multiaddr, unknown run, port in use, no peers reachable
+    └── PreflightError        this machine cannot hold the run (RAM, disk, device memory)
 
 Peer and network *faults* (a malformed delta, a dead synchronizer) are never raised
 into the training loop: they become a `Rejected(reason)` at the boundary, see `wire`.
@@ -31,3 +32,7 @@ class DeviceError(P2PDilocoError):
 
 class NetworkSetupError(P2PDilocoError):
     """The peer cannot join: bad address, unknown run, port in use, nobody reachable."""
+
+
+class PreflightError(P2PDilocoError):
+    """A preflight check failed (`p2pdiloco.preflight`): the peer would not get far here."""

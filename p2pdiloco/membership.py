@@ -63,6 +63,18 @@ class Heartbeat:
     """Addresses others can dial it at (kept in their address books for restarts)."""
     certificates: tuple[bytes, ...] = ()
     """Operator certificates this peer presents (certified runs elect only certified peers)."""
+    staleness: int = 0
+    """Rounds between the base and the round of its last merged delta (the dashboard's)."""
+    reply_bytes: int = 0
+    """Bytes received as synchronizers' answers to its deltas."""
+    replica_bytes: int = 0
+    """Bytes received for its replica: round updates, state downloads, audited contributions."""
+    audits_ok: int = 0
+    """Rounds it recomputed from their signed contributions and found right."""
+    audits_mismatch: int = 0
+    """Rounds it recomputed and proved false."""
+    audits_unverifiable: int = 0
+    """Rounds it tried to recompute without enough to conclude."""
 
     def encode(self) -> bytes:
         data = dataclasses.asdict(self)
@@ -95,7 +107,39 @@ _SCALARS: dict[str, tuple[type, ...]] = {
     "software": (str,),
     "protocol": (int,),
     "config_hash": (str,),
+    "staleness": (int,),
+    "reply_bytes": (int,),
+    "replica_bytes": (int,),
+    "audits_ok": (int,),
+    "audits_mismatch": (int,),
+    "audits_unverifiable": (int,),
 }
+
+
+class BeatTally:
+    """Figures a heartbeat reports that only the peer's events carry: the staleness of its
+    last merged delta and its audit verdicts. `on_event` is an `EventSink` listener."""
+
+    MAX_SHIPPED = 256
+    """Shipped deltas remembered until their round is decided (the oldest go first)."""
+
+    def __init__(self) -> None:
+        self.staleness = 0
+        self.audits = {"ok": 0, "mismatch": 0, "unverifiable": 0}
+        self._shipped: dict[tuple[int, int], int] = {}
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "shipped":
+            if len(self._shipped) >= self.MAX_SHIPPED:
+                self._shipped.pop(next(iter(self._shipped)))
+            self._shipped[(event["fragment"], event["round"])] = max(event["round"] - event["base_round"], 0)
+        elif kind == "delta_merged":
+            staleness = self._shipped.pop((event["fragment"], event["round"]), None)
+            if staleness is not None:
+                self.staleness = staleness
+        elif kind == "audited" and event.get("verdict") in self.audits:
+            self.audits[event["verdict"]] += 1
 
 
 def heartbeat_domain(run: str) -> str:

@@ -36,7 +36,14 @@ from p2pdiloco.fragments import frame_problem, partition_fragments
 from p2pdiloco.heap import heap_free_bytes
 from p2pdiloco.learner import Learner
 from p2pdiloco.learner_link import LearnerLink, Outcome
-from p2pdiloco.membership import Heartbeat, learners, live_members, members_key, seal_heartbeat
+from p2pdiloco.membership import (
+    BeatTally,
+    Heartbeat,
+    learners,
+    live_members,
+    members_key,
+    seal_heartbeat,
+)
 from p2pdiloco.metrics import MetricsServer, PeerMetrics, totals_of
 from p2pdiloco.model import build_model
 from p2pdiloco.ranks import RankGroup, follow_lead, join_ranks
@@ -93,6 +100,9 @@ class PeerDaemon:
         self.on_progress = on_progress
         """Long work reports here: (phase, done, total), phases `data` and `state`."""
         self.emit = EventSink(options.events)
+        self.tally = BeatTally()
+        """Staleness and audit verdicts from our events, for the heartbeat (the dashboard)."""
+        self.emit.listeners.append(self.tally.on_event)
         self.metrics_server: MetricsServer | None = None
         """`--metrics-port`: Prometheus metrics counted from our events (p2pdiloco.metrics)."""
         if options.metrics_port:
@@ -414,6 +424,12 @@ class PeerDaemon:
             config_hash=self.config_hash,
             certificates=self.certificates,
             maddrs=() if self.options.client_mode else tuple(self.transport.visible_maddrs()[:8]),
+            staleness=self.tally.staleness,
+            reply_bytes=parts.link.bytes_received if parts else 0,
+            replica_bytes=parts.replicas.bytes_received if parts else 0,
+            audits_ok=self.tally.audits["ok"],
+            audits_mismatch=self.tally.audits["mismatch"],
+            audits_unverifiable=self.tally.audits["unverifiable"],
         )
 
     # --- heartbeats and replica sync --------------------------------------------------------
@@ -503,8 +519,11 @@ def make_transport_for(
 ) -> Transport:
     """The run's transport (`network.transport`, imported lazily) for a peer's `[peer]`
     settings, whose DHT node stores and believes only records that pass the run's `rules`."""
+    from p2pdiloco.bootstrap import check_announce_maddr
     from p2pdiloco.transport import make_transport
 
+    for maddr in options.announce_maddrs:
+        check_announce_maddr(maddr)
     initial = list(options.initial_peers)
     if options.checkpoint_dir and initial:
         # Remembered peers are tried too, so a restart survives dead bootstrap nodes.

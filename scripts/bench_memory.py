@@ -342,24 +342,15 @@ def parameter_count(preset: str) -> int:
         return count_parameters(build_model(preset, max_seq_len=128))
 
 
-RUNTIME_BASE_BYTES = 400 * MiB
-"""Python, torch and hivemind's client before any tensor (a `tiny` peer peaks at ~430 MiB)."""
-LEARNER_BYTES_PER_PARAM = 4 + 4 + 8 + 4 + 4 + 4 + 4 + 4 + 3 * (1 + 2 / 256)
-"""fp32 CPU learner: parameters, gradients, AdamW's two moments, the replica (global
-parameters and outer state), error-feedback residuals, the host staging buffers (kept for
-every fragment), the bases (the global parameters each fragment was last taken over
-from), and up to three int8 deltas a fragment kept to resend (in flight, and booked ones
-within `max_staleness_rounds` = 2). The census of the `150m` peers found the bases, the
-staging buffers and the kept deltas, which the model lacked."""
-LEARNER_BYTES_PER_FRAGMENT_PARAM = 4 + 1 + 4
-"""Per parameter of the fragment being shipped: its fp32 delta, the int8 encoding, and the
-local parameters as shipped, which `sync.on_receive = "rebase"` keeps until the update."""
-SYNC_BYTES_PER_FRAGMENT_PARAM = 8 + 8 + 4 + 1 + 4
-"""A synchronizer's window besides the contributions: the fragment's snapshot and its
-prepared successor (parameters and momentum each), the merged outer gradient, its int8
-encoding and its decoded form."""
-INT8_BYTES_PER_PARAM = 1 + 2 / 256
-"""One int8 contribution: a byte per element and an fp16 scale per block of 256."""
+# The model's constants live in the package, where `p2pdiloco doctor` and `join`'s
+# preflight check a machine against them (p2pdiloco/preflight.py documents each one).
+from p2pdiloco.preflight import (  # noqa: E402
+    INT8_BYTES_PER_PARAM,
+    LEARNER_BYTES_PER_FRAGMENT_PARAM,
+    LEARNER_BYTES_PER_PARAM,
+    RUNTIME_BASE_BYTES,
+    SYNC_BYTES_PER_FRAGMENT_PARAM,
+)
 
 
 def memory_model(merge_rows: list[dict[str, Any]], swarm: dict[str, Any], fragments: int) -> dict[str, Any]:

@@ -41,6 +41,7 @@ PURE_MODULES = [
     "audit",
     "record_rules",
     "export",
+    "preflight",
 ]
 """Modules that must stay network-free: each exists, imports no networking library and
 imports only other pure p2pdiloco modules. A new pure module is added here by hand."""

@@ -18,7 +18,11 @@ it into a `Rejected(reason)` or a skipped round, never a crash or a hang:
     ├── ResponseTooLarge        the response exceeded our `max_response_bytes`
     ├── TransportClosed         the local transport is not started or already shut down
     └── TransportStartError     the local transport could not start (also NetworkSetupError)
-        └── AddressInUse        the listen port is already taken
+        ├── AddressInUse        the listen port is already taken
+        └── ClockSkew           the initial peers refused us: our clock is too far from theirs
+
+Besides, `read_clock(peer_id)` asks a peer its DHT time (`p2pdiloco doctor` and `join`
+compare clocks with it); a transport that cannot ask returns None.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import logging
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from p2pdiloco.errors import NetworkSetupError
 from p2pdiloco.identity import Identity
@@ -89,6 +94,37 @@ class TransportStartError(TransportError, NetworkSetupError):
 
 class AddressInUse(TransportStartError):
     """The requested listen address (host:port) is already in use."""
+
+
+class ClockSkew(TransportStartError):
+    """The initial peers refused this peer because its clock is too far from theirs."""
+
+    def __init__(self, message: str, offset_s: float) -> None:
+        super().__init__(message)
+        self.offset_s = offset_s
+        """Their clock minus ours, seconds (positive: ours is behind)."""
+
+
+@dataclass(frozen=True)
+class ClockReading:
+    """One exchange of DHT time with a peer, NTP's way: our clock when we asked, theirs
+    when they answered, ours when the answer came (DHT seconds)."""
+
+    peer_id: str
+    sent_s: float
+    remote_s: float
+    received_s: float
+
+    @property
+    def offset_s(self) -> float:
+        """Their clock minus ours, seconds (positive: ours is behind), taking the answer
+        to have been written halfway through the round trip."""
+        return self.remote_s - (self.sent_s + self.received_s) / 2
+
+    @property
+    def error_s(self) -> float:
+        """Bound on `offset_s`'s error: half the round trip, seconds."""
+        return max(self.received_s - self.sent_s, 0.0) / 2
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -181,6 +217,11 @@ class Transport(ABC):
     @abstractmethod
     def now(self) -> float:
         """The DHT clock, seconds (wall time shared by all peers)."""
+
+    async def read_clock(self, peer_id: str, timeout_s: float) -> ClockReading | None:
+        """Ask `peer_id` its DHT time; None when it did not answer within `timeout_s` or
+        this transport cannot ask (never raises a TransportError)."""
+        return None
 
 
 def admit_call(limit: ConcurrencyLimit, name: str, callee: str, caller: str) -> None:

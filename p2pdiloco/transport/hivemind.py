@@ -16,20 +16,26 @@ import atexit
 import itertools
 import logging
 import os
+import re
 import shutil
 import signal
 import tempfile
 import threading
 import time
 from contextlib import suppress
+from functools import partial
 
+import psutil
 from hivemind.dht import DHT
+from hivemind.dht.protocol import ValidationError
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
+from hivemind.proto import dht_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
+from p2pdiloco.backoff import backoff_delays, within
 from p2pdiloco.identity import Identity, load_or_create_identity
 from p2pdiloco.ratelimit import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_PER_CALLER, ConcurrencyLimit
 from p2pdiloco.transport import framing
@@ -37,6 +43,8 @@ from p2pdiloco.transport.base import (
     DEFAULT_MAX_BYTES,
     AddressInUse,
     CallTimeout,
+    ClockReading,
+    ClockSkew,
     Handler,
     PeerUnreachable,
     RemoteError,
@@ -52,26 +60,25 @@ from p2pdiloco.transport.base import (
 
 logger = logging.getLogger(__name__)
 
+PROBE_RETRY_S, PROBE_RETRY_CAP_S = 0.25, 4.0
+"""Waits between TCP probes of the initial peers (`backoff_delays`: doubling, jittered), s."""
+BOOTSTRAP_RETRY_S, BOOTSTRAP_RETRY_CAP_S = 1.0, 8.0
+"""Waits between hivemind bootstrap attempts, s."""
+
 def _child_pids(pid: int) -> list[int]:
-    """Direct children of `pid` (Linux /proc scan; empty elsewhere)."""
-    children = []
-    with suppress(OSError):
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            with suppress(OSError, ValueError, IndexError):
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                    children.append(int(entry))
-    return children
+    """Direct children of `pid` (psutil: Linux, macOS, ...; empty if it is gone)."""
+    try:
+        return [child.pid for child in psutil.Process(pid).children()]
+    except psutil.Error:
+        return []
 
 
 def _pid_alive(pid: int) -> bool:
-    with suppress(OSError):
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    return False
+    """Whether `pid` runs (a zombie, dead but not reaped yet, does not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 _FORKING_DHT = False
@@ -107,6 +114,47 @@ def _watch_parent(parent_pid: int, period_s: float = 1.0) -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+_SKEW = re.compile(r"local: ([0-9.]+), peer: ([0-9.]+)")
+
+
+def _validation_error(e: ValidationError) -> TransportStartError:
+    """hivemind's bootstrap refusal as one line that says what to do.
+
+    hivemind pings its initial peers with `validate=True`: a peer whose clock is more
+    than `MAX_DHT_TIME_DISCREPANCY_SECONDS` (3 s) from theirs, or that they cannot ping
+    back, is refused with a `ValidationError` (before, it crossed `join` as a traceback).
+    """
+    text = str(e)
+    times = _SKEW.search(text)
+    if times:
+        offset_s = float(times.group(2)) - float(times.group(1))
+        side = "behind" if offset_s > 0 else "ahead of"
+        return ClockSkew(
+            f"your clock is {abs(offset_s):.1f} s {side} the initial peers' (hivemind allows 3 s): "
+            "synchronise it (e.g. `timedatectl set-ntp true`, or your OS's time settings)",
+            offset_s,
+        )
+    return TransportStartError(
+        f"the initial peers refused this peer: {text}; if they cannot dial you back, "
+        "join with --client-mode (or forward your port, see `p2pdiloco doctor`)"
+    )
+
+
+async def _ping_for_time(_dht: DHT, node, peer_id: str, timeout_s: float) -> tuple[float, float, float] | None:
+    """In the DHT process: hivemind's own ping to `peer_id`, whose answer carries the
+    peer's DHT time; (sent, their time, received), or None if it did not answer."""
+    try:
+        stub = node.protocol.get_stub(PeerID.from_base58(peer_id))
+        request = dht_pb2.PingRequest(peer=node.protocol.node_info, validate=False)
+        sent = get_dht_time()
+        response = await asyncio.wait_for(stub.rpc_ping(request, timeout=timeout_s), timeout_s)
+        received = get_dht_time()
+    except Exception:  # noqa: BLE001 - any failure means no reading
+        return None
+    if not response.dht_time:
+        return None
+    return sent, float(response.dht_time), received
 
 
 class RunRecordValidator(RecordValidatorBase):
@@ -267,6 +315,7 @@ class HivemindTransport(Transport):
                 f"{self.startup_timeout_s}s; are they up, and on this run's network.transport "
                 "(hivemind)?"
             )
+        delays = backoff_delays(BOOTSTRAP_RETRY_S, BOOTSTRAP_RETRY_CAP_S)
         for attempt in itertools.count(1):
             try:
                 await self._start_dht_once(max(1.0, deadline - loop.time()))
@@ -276,7 +325,8 @@ class HivemindTransport(Transport):
                     raise
                 logger.info("bootstrap_retry attempt=%d error=%s", attempt, e)
                 await self._stop_dht()
-                await asyncio.sleep(1.0)  # back-off between attempts, not synchronisation
+                # back-off between attempts (with jitter: peers do not retry in lockstep)
+                await asyncio.sleep(within(next(delays), deadline - 3, loop.time()))
 
     async def _wait_for_initial_peers(self, deadline: float) -> bool:
         """Once one initial peer accepts TCP, True; False if none did by the deadline.
@@ -287,13 +337,14 @@ class HivemindTransport(Transport):
             if len(parts) > 4 and parts[1] in ("ip4", "ip6", "dns", "dns4") and parts[3] == "tcp":
                 endpoints.append((parts[2], int(parts[4])))
         loop = asyncio.get_running_loop()
+        delays = backoff_delays(PROBE_RETRY_S, PROBE_RETRY_CAP_S)
         while endpoints and loop.time() < deadline:
             for host, port in endpoints:
                 with suppress(OSError, TimeoutError):
                     _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 2)
                     writer.close()
                     return True
-            await asyncio.sleep(0.5)  # polling with a deadline
+            await asyncio.sleep(within(next(delays), deadline, loop.time()))  # polling with a deadline
         return not endpoints
 
     async def _start_dht_once(self, timeout_s: float) -> None:
@@ -330,6 +381,10 @@ class HivemindTransport(Transport):
                 f"hivemind did not start within {self.startup_timeout_s}s "
                 "(slow machine? raise startup_timeout_s)"
             ) from None
+        except ValidationError as e:
+            if self._dht.pid is not None:
+                self._p2pd_pids += _child_pids(self._dht.pid)
+            raise _validation_error(e) from None
         except (P2PDaemonError, RuntimeError, ValueError, OSError) as e:
             self._bootstrap_failed = "bootstrap failed" in str(e)
             if self._dht.pid is not None:
@@ -522,6 +577,21 @@ class HivemindTransport(Transport):
 
     def now(self) -> float:
         return get_dht_time()
+
+    async def read_clock(self, peer_id: str, timeout_s: float) -> ClockReading | None:
+        """hivemind's DHT ping (every hivemind node answers it with its DHT time), sent
+        from inside the DHT process through its public `run_coroutine`."""
+        if self._dht is None or self._closed:
+            return None
+        future = self._dht.run_coroutine(
+            partial(_ping_for_time, peer_id=peer_id, timeout_s=timeout_s), return_future=True
+        )
+        try:
+            times = await asyncio.wait_for(_await(future), timeout_s + 1)
+        except Exception:  # noqa: BLE001 - a timeout or a dead DHT process: no reading
+            future.cancel()
+            return None
+        return None if times is None else ClockReading(peer_id, *times)
 
 
 class _AsyncioStream:

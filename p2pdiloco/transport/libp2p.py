@@ -52,6 +52,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.protocol_muxer.exceptions import ProtocolNotSupportedError
 
+from p2pdiloco.backoff import backoff_delays
 from p2pdiloco.identity import Identity, is_peer_id, load_or_create_identity
 from p2pdiloco.ratelimit import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_PER_CALLER, ConcurrencyLimit
 from p2pdiloco.transport import framing
@@ -59,6 +60,7 @@ from p2pdiloco.transport.base import (
     DEFAULT_MAX_BYTES,
     AddressInUse,
     CallTimeout,
+    ClockReading,
     Handler,
     PeerUnreachable,
     RemoteError,
@@ -83,7 +85,9 @@ T = TypeVar("T")
 RECORDS_STORE = "~records.store"
 RECORDS_GET = "~records.get"
 RECORDS_PEERS = "~records.peers"
-"""The record store's own RPCs (a `~` name cannot collide with a run's)."""
+RECORDS_TIME = "~records.time"
+"""The record store's own RPCs (a `~` name cannot collide with a run's); `time` answers
+the peer's clock (`read_clock`: records expire by it)."""
 REPLICAS = 20
 """Server peers a record is stored on (Kademlia's k)."""
 READ_FANOUT = REPLICAS
@@ -101,6 +105,8 @@ MAX_PROBES = 8
 """Candidates probed at once after an exchange."""
 MAX_FAILURES = 3
 """Consecutive failed exchanges before a peer is forgotten."""
+BOOTSTRAP_RETRY_S, BOOTSTRAP_RETRY_CAP_S = 0.25, 4.0
+"""Waits between bootstrap attempts (`backoff_delays`: doubling, jittered), s."""
 MAX_RECORD_REQUEST = 2 << 20
 MAX_RECORDS_RESPONSE = 16 << 20
 
@@ -313,7 +319,7 @@ class Libp2pTransport(Transport):
             async with trio.open_nursery() as nursery, host.run(listen):
                 self._host, self._nursery = host, nursery
                 self._token = trio.lowlevel.current_trio_token()
-                for name in (RECORDS_STORE, RECORDS_GET, RECORDS_PEERS):
+                for name in (RECORDS_STORE, RECORDS_GET, RECORDS_PEERS, RECORDS_TIME):
                     self._set_handler(name)
                 self._maddrs = self._visible(host)
                 started.set_result(None)
@@ -566,7 +572,13 @@ class Libp2pTransport(Transport):
     # ---- records: a one-hop DHT over the RPCs above ---------------------------------------
 
     def _record_handler(self, name: str) -> Callable[[str, bytes], Awaitable[bytes]]:
-        return {RECORDS_STORE: self._serve_store, RECORDS_GET: self._serve_get, RECORDS_PEERS: self._serve_peers}[name]
+        return {
+            RECORDS_STORE: self._serve_store, RECORDS_GET: self._serve_get,
+            RECORDS_PEERS: self._serve_peers, RECORDS_TIME: self._serve_time,
+        }[name]  # fmt: skip
+
+    async def _serve_time(self, caller: str, request: bytes) -> bytes:
+        return msgpack.packb(self.now())
 
     async def _serve_store(self, caller: str, request: bytes) -> bytes:
         if self._client_mode:
@@ -633,6 +645,7 @@ class Libp2pTransport(Transport):
             if peer != self._peer_id:
                 self._known.setdefault(peer, _Known([address]))
         last_error = ""
+        delays = backoff_delays(BOOTSTRAP_RETRY_S, BOOTSTRAP_RETRY_CAP_S)
         while seeds:
             for _, peer in seeds:
                 try:
@@ -652,7 +665,9 @@ class Libp2pTransport(Transport):
                     last_error = f"{type(exc).__name__}: {exc}"
             self._bootstrap_error = last_error
             logger.info("bootstrap_retry error=%s", last_error)
-            await trio.sleep(0.5)  # back-off between attempts; start()'s deadline bounds them
+            # back-off between attempts, jittered (peers do not retry in lockstep); start()'s
+            # deadline bounds them
+            await trio.sleep(next(delays))
 
     async def _exchange(self, peer: str) -> list[str]:
         """Swap known peers with `peer` (which becomes known: it answered under its id);
@@ -780,6 +795,21 @@ class Libp2pTransport(Transport):
 
     def now(self) -> float:
         return time.time()
+
+    async def read_clock(self, peer_id: str, timeout_s: float) -> ClockReading | None:
+        """The peer's `~records.time` (None from a peer of an older version: no handler)."""
+        if self._closed or not self._ready.is_set():
+            return None
+        sent = self.now()
+        try:
+            raw = await asyncio.wait_for(self._in_trio(self._call, peer_id, RECORDS_TIME, b"", 64), timeout_s)
+            remote = msgpack.unpackb(raw, raw=False)
+        except (TransportError, TimeoutError, ValueError, msgpack.UnpackException):
+            return None
+        received = self.now()
+        if isinstance(remote, bool) or not isinstance(remote, float | int):
+            return None
+        return ClockReading(peer_id, sent, float(remote), received)
 
 
 class _LockedLimit:

@@ -19,6 +19,7 @@ from p2pdiloco.ratelimit import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_PER_CALLER, C
 from p2pdiloco.transport.base import (
     DEFAULT_MAX_BYTES,
     CallTimeout,
+    ClockReading,
     Handler,
     PeerUnreachable,
     RemoteError,
@@ -105,11 +106,15 @@ class MemoryTransport(Transport):
         record_rules=None,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         max_per_caller: int = DEFAULT_MAX_PER_CALLER,
+        clock_offset_s: float = 0.0,
     ) -> None:
         ConcurrencyLimit(max_in_flight, max_per_caller)  # validate now, not at registration
         self.max_in_flight = max_in_flight
         self.max_per_caller = max_per_caller
         self._in_flight: dict[str, ConcurrencyLimit] = {}
+        self.clock_offset_s = clock_offset_s
+        """What `read_clock` adds to this peer's time as others read it (a wrong clock;
+        the records keep the network's one clock), seconds."""
         self.network = network
         self.record_rules = record_rules
         self._peer_id = peer_id or network.new_peer_id()
@@ -241,3 +246,10 @@ class MemoryTransport(Transport):
 
     def now(self) -> float:
         return self.network.clock()
+
+    async def read_clock(self, peer_id: str, timeout_s: float) -> ClockReading | None:
+        remote = self.network._route(peer_id)
+        if self._closed or remote is None or self.network.is_suspended(peer_id):
+            return None
+        now = self.network.clock()
+        return ClockReading(peer_id, now + self.clock_offset_s, now + remote.clock_offset_s, now + self.clock_offset_s)
