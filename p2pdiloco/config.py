@@ -479,7 +479,8 @@ class PeerConfig:
     bootstrap_file: str = ""
     """Bootstrap file to read initial peers from ("": bootstrap_peers/<run>.txt)."""
     manifest: str = ""
-    """Signed run manifest ("": bootstrap_peers/<run>.toml when it exists): it then gives
+    """Signed run manifest, a path or an http(s) URL ("": the run's shipped or local
+    `<run>.toml` when it exists): it then gives
     the run config, the bootstrap peers, the admission rules and the certificates."""
     new_run: bool = False
     """Start a new swarm: no bootstrap peers needed (the run's first peer)."""

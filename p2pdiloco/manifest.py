@@ -199,12 +199,39 @@ def manifest_file_for(run: str) -> Path | None:
     return run_file(run, ".toml")
 
 
-def read_manifest(path: Path) -> Manifest:
-    """Read and verify a manifest file (signature, certificates, config)."""
+MANIFEST_FETCH_TIMEOUT_S = 20.0
+"""Bound on fetching a manifest by URL (connect and read)."""
+
+
+def fetch_manifest_bytes(url: str, timeout_s: float = MANIFEST_FETCH_TIMEOUT_S) -> bytes:
+    """The bytes at an http(s) `url`, at most MAX_MANIFEST_BYTES + 1 of them, within
+    `timeout_s`; ManifestError on any failure. Trust comes from the signature and the
+    pinned operator (`pin_operator`), not from the server, so plain http is allowed."""
+    import urllib.error
+    import urllib.request
+
     try:
-        raw = path.read_bytes()[: MAX_MANIFEST_BYTES + 1]
-    except OSError as exc:
-        raise ManifestError(f"cannot read {path}: {exc.strerror or exc}") from None
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - http(s) only
+            return response.read(MAX_MANIFEST_BYTES + 1)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise ManifestError(f"cannot fetch the manifest {url}: {reason}") from None
+
+
+def is_url(location: str) -> bool:
+    return location.startswith(("http://", "https://"))
+
+
+def read_manifest(path: Path | str) -> Manifest:
+    """Read and verify a manifest file or http(s) URL (signature, certificates, config)."""
+    if isinstance(path, str) and is_url(path):
+        raw = fetch_manifest_bytes(path)
+    else:
+        path = Path(path)
+        try:
+            raw = path.read_bytes()[: MAX_MANIFEST_BYTES + 1]
+        except OSError as exc:
+            raise ManifestError(f"cannot read {path}: {exc.strerror or exc}") from None
     if len(raw) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{path}: larger than {MAX_MANIFEST_BYTES} bytes: not a manifest")
     try:
@@ -280,7 +307,11 @@ def describe(manifest: Manifest) -> str:
 
 def find_manifest(peer: PeerConfig) -> Manifest | None:
     """The verified manifest a peer joins with: `peer.manifest`, else the run's file, else None."""
-    path = Path(peer.manifest) if peer.manifest else manifest_file_for(peer.run)
+    path: Path | str | None
+    if peer.manifest:
+        path = peer.manifest if is_url(peer.manifest) else Path(peer.manifest)
+    else:
+        path = manifest_file_for(peer.run)
     if path is None:
         return None
     manifest = read_manifest(path)

@@ -127,3 +127,34 @@ def test_init_refuses_a_bootstrap_address_that_is_not_a_multiaddr(tmp_path, monk
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--bootstrap" in err[0] and "not a valid multiaddr" in err[0]
     assert not (tmp_path / "bootstrap_peers" / "bad-run.toml").exists()
+
+
+def test_a_manifest_is_read_from_an_http_url_and_verified_like_a_file(operator_run, tmp_path) -> None:
+    """`--manifest URL`: fetched (bounded in bytes and time), then the same signature and
+    config checks as a file; a server that is down or sends junk is one ManifestError."""
+    import functools
+    import http.server
+    import threading
+
+    from p2pdiloco.manifest import MAX_MANIFEST_BYTES, ManifestError
+
+    path, _ = operator_run
+    (tmp_path / "big.toml").write_bytes(b"x" * (MAX_MANIFEST_BYTES + 10))
+    (tmp_path / "junk.toml").write_bytes(path.read_bytes().replace(b"demo-run", b"demo-rux"))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(path.parent.parent))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        fetched = read_manifest(f"{base}/bootstrap_peers/demo-run.toml")
+        assert fetched.name == "demo-run" and fetched.operator == read_manifest(path).operator
+        for name, why in (("big.toml", "larger than"), ("junk.toml", None), ("missing.toml", "cannot fetch")):
+            with pytest.raises(ManifestError, match=why):
+                read_manifest(f"{base}/{name}")
+    finally:
+        server.shutdown()
+        server.server_close()
+    with pytest.raises(ManifestError, match="cannot fetch"):
+        read_manifest(base + "/bootstrap_peers/demo-run.toml")  # the server is gone
