@@ -19,8 +19,10 @@ serve its contributions gives `unverifiable`, never a hang and never an accusati
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from p2pdiloco import wire
@@ -88,23 +90,33 @@ async def catch_up(replicas: ReplicaSync, members: RunMembers, fragments: list[i
         await asyncio.sleep(within(next(delays), deadline, time.monotonic()))
 
 
+@contextlib.contextmanager
+def observer_replica(
+    transport: Transport, config: RunConfig, admission: Admission, thread_name: str
+) -> Iterator[tuple[GlobalState, RunMembers, ReplicaSync]]:
+    """A replica of the run that only follows its chain (state, members, replica sync),
+    with a worker thread of its own that is shut down on exit. An update out of line with
+    the last ones is recomputed by its auditor before it is applied."""
+    run = config.peer.run
+    state = observer_state(config)
+    members = RunMembers(transport, run)
+    limits = wire.WireLimits()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name) as worker:
+        replicas = ReplicaSync(
+            transport, run, state, members, limits, worker,
+            void_after_s=config.sync.round_deadline_s, admission=admission,
+            auditor=Auditor(run, config, limits, state.fragments),
+        )  # fmt: skip
+        yield state, members, replicas
+
+
 async def download_global_state(
     transport: Transport, config: RunConfig, admission: Admission, wait_s: float
 ) -> GlobalState | None:
     """The run's current verified global state, every fragment at the head of its chain
     (round 0 everywhere: the genesis, no download); None when not caught up in `wait_s`."""
     deadline = time.monotonic() + wait_s
-    run = config.peer.run
-    state = observer_state(config)
-    members = RunMembers(transport, run)
-    limits = wire.WireLimits()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="observer") as worker:
-        replicas = ReplicaSync(
-            transport, run, state, members, limits, worker,
-            void_after_s=config.sync.round_deadline_s, admission=admission,
-            # an update out of line with the last ones is recomputed before it is applied
-            auditor=Auditor(run, config, limits, state.fragments),
-        )
+    with observer_replica(transport, config, admission, "observer") as (state, members, replicas):
         caught_up = await catch_up(replicas, members, list(range(state.num_fragments)), deadline)
     return state if caught_up else None
 
@@ -119,16 +131,7 @@ async def audit_next_round(
     if not 0 <= fragment < config.sync.num_fragments:
         return AuditResult(UNVERIFIABLE, f"the run has no fragment {fragment}"), None
     deadline = time.monotonic() + wait_s
-    run = config.peer.run
-    state = observer_state(config)
-    members = RunMembers(transport, run)
-    limits = wire.WireLimits()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit") as worker:
-        replicas = ReplicaSync(
-            transport, run, state, members, limits, worker,
-            void_after_s=config.sync.round_deadline_s, admission=admission,
-            auditor=Auditor(run, config, limits, state.fragments),
-        )
+    with observer_replica(transport, config, admission, "audit") as (state, members, replicas):
         # 1. follow the chain to its head (a download when the run is past round 0)
         if not await catch_up(replicas, members, [fragment], deadline):
             return AuditResult(UNVERIFIABLE, "could not catch up with the run's chain"), None

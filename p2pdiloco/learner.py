@@ -26,7 +26,7 @@ from p2pdiloco import compress, wire
 from p2pdiloco.config import RunConfig
 from p2pdiloco.devices import StagedCopy
 from p2pdiloco.fragments import fragments_due
-from p2pdiloco.ledger import Claim, Params, WorkLedger, move_progress, take_over
+from p2pdiloco.ledger import Claim, Params, WorkLedger, move_progress, progress_of, take_over
 from p2pdiloco.messages import LATE, MERGED, REJECTED, Outcome
 from p2pdiloco.state import GlobalState
 from p2pdiloco.train import InnerTrainer, evaluate
@@ -697,10 +697,9 @@ class Learner:
         for fragment, (_round, base) in self.bases.items():
             item = self.in_flight.get(fragment)
             carried = item.progress if item is not None and item.progress is not None else None
-            progress = {}
-            for name, value in base.items():
-                local = self._params[name].detach().float().cpu() - value
-                progress[name] = local - carried[name] if carried is not None else local
+            progress = progress_of(self._params, base)
+            if carried is not None:
+                progress = {n: local - carried[n] for n, local in progress.items()}
             ledger = self.ledgers[fragment]
             claim = item.claim if carried is not None else None
             work[fragment] = {

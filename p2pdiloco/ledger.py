@@ -25,20 +25,12 @@ Pure: tensors and integers in, tensors and integers out; no network, no clock.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 Params = dict[str, torch.Tensor]
-
-MERGED = "merged"
-"""The delta is in the canonical record of its round: its work left the local model."""
-FOLDED = "folded"
-"""No committed round holds it: its work stays local and the next delta carries it."""
-LOST = "lost"
-"""Its work is gone (refused, reset, overwritten): reported with a reason."""
-
 
 @dataclass(frozen=True)
 class Claim:
@@ -138,8 +130,3 @@ def move_progress(params: Mapping[str, torch.Tensor], progress: Mapping[str, tor
 def progress_of(local: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor]) -> Params:
     """`local - base` in fp32 on the host: the progress a delta `base - local` carries."""
     return {n: local[n].detach().float().cpu() - base[n].float() for n in base}
-
-
-def steps_in(claims: Iterable[Claim]) -> int:
-    """Total steps of some claims."""
-    return sum(c.steps for c in claims)
