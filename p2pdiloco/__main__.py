@@ -1,5 +1,5 @@
 """`python -m p2pdiloco` is the same as the `p2pdiloco` command."""
 
-from p2pdiloco.cli import main
+from p2pdiloco.cli.main import main
 
 raise SystemExit(main())

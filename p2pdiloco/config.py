@@ -388,7 +388,7 @@ class SimulateConfig:
     its best lr is higher than a learner's: give each run the lr tuned for its batch."""
     mode: str = "lockstep"
     """lockstep: plain DiLoCo, every delta merged every round; decoupled: the swarm's
-    schedule on a simulated clock (speeds, quorum, grace, staleness: p2pdiloco.decoupled)."""
+    schedule on a simulated clock (speeds, quorum, grace, staleness: p2pdiloco.sim.decoupled)."""
     speeds: str = "1"
     """Decoupled: relative speed of each learner, comma separated, cycled ("1,1,0.5,0.5")."""
     jitter: float = 0.0

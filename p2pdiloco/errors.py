@@ -35,4 +35,4 @@ class NetworkSetupError(P2PDilocoError):
 
 
 class PreflightError(P2PDilocoError):
-    """A preflight check failed (`p2pdiloco.preflight`): the peer would not get far here."""
+    """A preflight check failed (`p2pdiloco.peer.preflight`): the peer would not get far here."""

@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 class EventSink:
     """Writes one JSON object per line; safe from any thread; a closed reader is ignored.
 
-    `listeners` (the metrics, `p2pdiloco.metrics`) see every event, printed or not; one
+    `listeners` (the metrics, `p2pdiloco.peer.metrics`) see every event, printed or not; one
     that raises is logged, never raised into the caller.
     """
 

@@ -48,18 +48,19 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
-from p2pdiloco import compress, screening, wire  # noqa: E402
+from p2pdiloco import compress, wire  # noqa: E402
 from p2pdiloco.config import load_config, replace  # noqa: E402
-from p2pdiloco.contributions import open_contribution, seal_contribution  # noqa: E402
-from p2pdiloco.data import Corpus, heldout_batches  # noqa: E402
 from p2pdiloco.identity import Identity  # noqa: E402
-from p2pdiloco.merging import max_tokens_per_step, merge_round  # noqa: E402
-from p2pdiloco.model import build_model  # noqa: E402
-from p2pdiloco.outer import Params, pseudo_gradient, tensor_norm  # noqa: E402
-from p2pdiloco.rounds import RoundRecord, open_record, seal_record  # noqa: E402
-from p2pdiloco.simulate import global_state_of, learner_streams, load_params  # noqa: E402
-from p2pdiloco.state import GlobalState, prepare_update  # noqa: E402
-from p2pdiloco.train import InnerTrainer, evaluate  # noqa: E402
+from p2pdiloco.outer import screening  # noqa: E402
+from p2pdiloco.outer.step import Params, pseudo_gradient, tensor_norm  # noqa: E402
+from p2pdiloco.protocol.merge import max_tokens_per_step, merge_round  # noqa: E402
+from p2pdiloco.protocol.rounds import RoundRecord, open_record, seal_record  # noqa: E402
+from p2pdiloco.roles.state import GlobalState, prepare_update  # noqa: E402
+from p2pdiloco.sim.simulate import global_state_of, learner_streams, load_params  # noqa: E402
+from p2pdiloco.training.data import Corpus, heldout_batches  # noqa: E402
+from p2pdiloco.training.model import build_model  # noqa: E402
+from p2pdiloco.training.train import InnerTrainer, evaluate  # noqa: E402
+from p2pdiloco.wire.contributions import open_contribution, seal_contribution  # noqa: E402
 
 ATTACKER = 0
 RUN = "bench"

@@ -51,7 +51,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
-from p2pdiloco.launcher import Child, ChildFailedToStart, reap_all  # noqa: E402
+from p2pdiloco.cli.launcher import Child, ChildFailedToStart, reap_all  # noqa: E402
 
 Event = dict[str, Any]
 

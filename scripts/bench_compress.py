@@ -3,7 +3,7 @@
 Two inputs, measured in the same run:
 
 - `delta`  : a real pseudo-gradient, theta_before - theta_after of ~20 AdamW steps of the
-             project's decoder (`p2pdiloco.model.build_model`) on random tokens, encoded
+             project's decoder (`p2pdiloco.training.model.build_model`) on random tokens, encoded
              tensor by tensor as a learner would; a stand-in transformer-ish torch module
              is trained instead when the project model cannot be imported;
 - `large`  : one 100M-element tensor (10M with --quick) with the delta's spread.
@@ -64,7 +64,7 @@ def best_seconds(fn: Callable[[], Any], repeats: int) -> float:
 
 
 class StandIn(nn.Module):
-    """A small transformer-ish block stack, used only when p2pdiloco.model is unavailable."""
+    """A small transformer-ish block stack, used only when p2pdiloco.training.model is unavailable."""
 
     def __init__(self, vocab: int = 257, dim: int = 128, layers: int = 4) -> None:
         super().__init__()
@@ -87,11 +87,11 @@ class StandIn(nn.Module):
 def build_model(quick: bool) -> tuple[nn.Module, int, str]:
     """The project decoder (tiny or small preset) or the stand-in, its vocab, and a label."""
     try:
-        from p2pdiloco.model import build_model as build_project_model
+        from p2pdiloco.training.model import build_model as build_project_model
 
         preset = "tiny" if quick else "small"
         model = build_project_model(preset, seed=0, max_seq_len=128)
-        return model, int(model.shape.vocab_size), f"p2pdiloco.model {preset}"
+        return model, int(model.shape.vocab_size), f"p2pdiloco.training.model {preset}"
     except (ImportError, AttributeError, TypeError, ValueError) as exc:
         print(f"project model unavailable ({exc!r}); training a stand-in module")
         torch.manual_seed(0)

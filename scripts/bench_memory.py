@@ -33,8 +33,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
-from p2pdiloco.census import status_bytes  # noqa: E402
-from p2pdiloco.launcher import Child, reap_all  # noqa: E402
+from p2pdiloco.cli.launcher import Child, reap_all  # noqa: E402
+from p2pdiloco.peer.census import status_bytes  # noqa: E402
 
 MiB = 1 << 20
 QUICK = {"merge_preset": "tiny", "counts": [2, 4, 8, 16, 32], "swarm_preset": "tiny", "rounds": 4}
@@ -53,7 +53,7 @@ def _env(census: bool = False, mmap_threshold: int = 0) -> dict[str, str]:
     if mmap_threshold:  # glibc: allocations this large are mmapped, and unmapped when freed
         env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     if census:  # each peer reports its large buffers by owner after every applied round
-        from p2pdiloco.census import ENV_VAR
+        from p2pdiloco.peer.census import ENV_VAR
 
         env[ENV_VAR] = "1"
     return env
@@ -129,9 +129,9 @@ def merge_worker(preset: str, count: int, mode: str) -> dict[str, Any]:
 
     from p2pdiloco import compress
     from p2pdiloco.config import load_config
-    from p2pdiloco.merging import merge_round
-    from p2pdiloco.model import build_model
-    from p2pdiloco.screening import Candidate, History, ScreeningRules
+    from p2pdiloco.outer.screening import Candidate, History, ScreeningRules
+    from p2pdiloco.protocol.merge import merge_round
+    from p2pdiloco.training.model import build_model
 
     torch.set_num_threads(1)
     config = load_config(overrides=[f"model.preset='{preset}'"])
@@ -249,7 +249,7 @@ def run_swarm(
     # The joiner comes once the updates of round 0 are gone from the peers' stores (bounded
     # by bytes: ~3 kept at 150m) or a replay would be too long, so it downloads the state,
     # and stays for `rounds` more rounds; the full peer trains until it leaves.
-    from p2pdiloco.replica_sync import MAX_CATCH_UP_ROUNDS
+    from p2pdiloco.roles.replica import MAX_CATCH_UP_ROUNDS
 
     join_at = JOIN_AT_ROUND.get(preset, MAX_CATCH_UP_ROUNDS + 2)
     reached = [0, 0]
@@ -336,15 +336,15 @@ def _census_report(child: Child) -> dict[str, Any]:
 def parameter_count(preset: str) -> int:
     import torch
 
-    from p2pdiloco.model import build_model, count_parameters
+    from p2pdiloco.training.model import build_model, count_parameters
 
     with torch.device("meta"):
         return count_parameters(build_model(preset, max_seq_len=128))
 
 
 # The model's constants live in the package, where `p2pdiloco doctor` and `join`'s
-# preflight check a machine against them (p2pdiloco/preflight.py documents each one).
-from p2pdiloco.preflight import (  # noqa: E402
+# preflight check a machine against them (p2pdiloco/peer/preflight.py documents each one).
+from p2pdiloco.peer.preflight import (  # noqa: E402
     INT8_BYTES_PER_PARAM,
     LEARNER_BYTES_PER_FRAGMENT_PARAM,
     LEARNER_BYTES_PER_PARAM,
@@ -402,7 +402,7 @@ def main() -> int:
     parser.add_argument("--skip-swarm", action="store_true", help="the merge sweep only")
     parser.add_argument("--skip-merge", action="store_true", help="the swarm only (no memory model)")
     parser.add_argument(
-        "--census", action="store_true", help="peers report their large buffers by owner (p2pdiloco.census)"
+        "--census", action="store_true", help="peers report their large buffers by owner (p2pdiloco.peer.census)"
     )
     parser.add_argument(
         "--mmap-threshold", type=int, default=0, metavar="BYTES",

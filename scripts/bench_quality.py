@@ -5,7 +5,7 @@ synchronous baseline (gradients of the same M micro-batches averaged every step)
 run on the embedded corpus, then the merge rules side by side and M = 1, 2, 4.
 
 `--mode decoupled` runs the swarm's schedule instead of lockstep DiLoCo
-(`p2pdiloco.decoupled`); `--heterogeneous` makes two of four learners half as fast, with
+(`p2pdiloco.sim.decoupled`); `--heterogeneous` makes two of four learners half as fast, with
 K = 1 and the grace window. `--agreement` also runs a real swarm (`p2pdiloco join`
 processes on 127.0.0.1) and the decoupled simulator on its measured schedule, and reports
 how far apart their held-out losses end.
@@ -28,8 +28,14 @@ import time
 from pathlib import Path
 
 from p2pdiloco.config import RunConfig, load_config, replace
-from p2pdiloco.data import Corpus
-from p2pdiloco.simulate import DeltaChannel, SimulationResult, codec_channel, fp32_channel, simulate
+from p2pdiloco.sim.simulate import (
+    DeltaChannel,
+    SimulationResult,
+    codec_channel,
+    fp32_channel,
+    simulate,
+)
+from p2pdiloco.training.data import Corpus
 
 QUICK = [
     "model.preset='tiny'",
@@ -139,7 +145,7 @@ def real_swarm(sets: list[str], learners: int, rounds: int, eval_batches: int) -
     """A bootstrap node and `learners` real peers on 127.0.0.1 until `rounds` rounds; the
     held-out loss of learner 0's global model after the last round and each learner's
     measured step time and steps."""
-    from p2pdiloco.launcher import Child
+    from p2pdiloco.cli.launcher import Child
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     argv = [sys.executable, "-m", "p2pdiloco"]
@@ -227,7 +233,7 @@ def _baseline_worker(config: RunConfig) -> tuple[list[int], list[float], int]:
     """The synchronous baseline in a process of its own, on one thread."""
     import torch
 
-    from p2pdiloco.simulate import baseline_alone
+    from p2pdiloco.sim.simulate import baseline_alone
 
     torch.set_num_threads(1)
     curve, _, sent = baseline_alone(config)
@@ -245,7 +251,7 @@ def main_simulation(config: RunConfig, corpus: Corpus, channel: DeltaChannel, jo
 
     import torch
 
-    from p2pdiloco.simulate import LossCurve
+    from p2pdiloco.sim.simulate import LossCurve
 
     with ProcessPoolExecutor(1, get_context("spawn")) as pool:
         baseline = pool.submit(_baseline_worker, config)

@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
-from p2pdiloco.launcher import Child, wait_all_ready  # noqa: E402
+from p2pdiloco.cli.launcher import Child, wait_all_ready  # noqa: E402
 
 QUICK = {
     "sets": [
@@ -61,9 +61,9 @@ def lone_worker(sets: list[str], steps: int, rank: int) -> None:
     import torch
 
     from p2pdiloco.config import load_config
-    from p2pdiloco.data import Corpus, learner_batches
-    from p2pdiloco.model import build_model
-    from p2pdiloco.train import InnerTrainer
+    from p2pdiloco.training.data import Corpus, learner_batches
+    from p2pdiloco.training.model import build_model
+    from p2pdiloco.training.train import InnerTrainer
 
     torch.set_num_threads(1)
     config = load_config(None, sets)

@@ -43,7 +43,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
-from p2pdiloco.launcher import Child, reap_all  # noqa: E402
+from p2pdiloco.cli.launcher import Child, reap_all  # noqa: E402
 
 LEARNERS = 4
 PREFIX = "p2pw"
@@ -167,9 +167,9 @@ def ddp_worker(rank: int, preset: str, sets: list[str], steps: int, eval_every: 
     from torch.nn.parallel import DistributedDataParallel
 
     from p2pdiloco.config import load_config
-    from p2pdiloco.data import Corpus, heldout_batches, learner_batches
-    from p2pdiloco.model import build_model
-    from p2pdiloco.train import InnerTrainer, LossOf, evaluate
+    from p2pdiloco.training.data import Corpus, heldout_batches, learner_batches
+    from p2pdiloco.training.model import build_model
+    from p2pdiloco.training.train import InnerTrainer, LossOf, evaluate
 
     torch.set_num_threads(1)
     config = load_config(overrides=[f"model.preset='{preset}'", *sets])

@@ -32,11 +32,11 @@ sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
 import torch  # noqa: E402
 
+from p2pdiloco.cli.launcher import Child, reap_all  # noqa: E402
 from p2pdiloco.config import load_config  # noqa: E402
-from p2pdiloco.data import Corpus, learner_batches  # noqa: E402
-from p2pdiloco.launcher import Child, reap_all  # noqa: E402
-from p2pdiloco.model import build_model  # noqa: E402
-from p2pdiloco.train import InnerTrainer, resolve_device  # noqa: E402
+from p2pdiloco.training.data import Corpus, learner_batches  # noqa: E402
+from p2pdiloco.training.model import build_model  # noqa: E402
+from p2pdiloco.training.train import InnerTrainer, resolve_device  # noqa: E402
 
 SETTINGS = {
     # preset: micro-batch, sequence length, inner steps H, fragments P, measured steps

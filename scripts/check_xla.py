@@ -34,9 +34,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
-from p2pdiloco.fragments import partition_fragments  # noqa: E402
-from p2pdiloco.launcher import Child, reap_all, wait_all_ready  # noqa: E402
-from p2pdiloco.model import build_model  # noqa: E402
+from p2pdiloco.cli.launcher import Child, reap_all, wait_all_ready  # noqa: E402
+from p2pdiloco.protocol.fragments import partition_fragments  # noqa: E402
+from p2pdiloco.training.model import build_model  # noqa: E402
 
 INNER_STEPS = 10
 NUM_FRAGMENTS = 2

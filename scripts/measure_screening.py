@@ -1,4 +1,4 @@
-"""Experiment: the honest figures behind the thresholds of `p2pdiloco/screening.py`.
+"""Experiment: the honest figures behind the thresholds of `p2pdiloco/outer/screening.py`.
 
 M learners train the tiny model with plain DiLoCo (token-weighted merge, outer Nesterov)
 for R rounds of H inner steps, in one process. At every round, before the outer step,
@@ -35,22 +35,22 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
-from p2pdiloco import screening  # noqa: E402
 from p2pdiloco.config import load_config, replace  # noqa: E402
-from p2pdiloco.data import Corpus  # noqa: E402
-from p2pdiloco.fragments import partition_fragments  # noqa: E402
-from p2pdiloco.model import build_model  # noqa: E402
-from p2pdiloco.outer import (  # noqa: E402
+from p2pdiloco.outer.step import (  # noqa: E402
     OuterState,
     Params,
     merge,
     outer_step,
     pseudo_gradient,
+    screening,  # noqa: E402
     tensor_norm,
     token_weights,
 )
-from p2pdiloco.simulate import global_state_of, learner_streams, load_params  # noqa: E402
-from p2pdiloco.train import InnerTrainer  # noqa: E402
+from p2pdiloco.protocol.fragments import partition_fragments  # noqa: E402
+from p2pdiloco.sim.simulate import global_state_of, learner_streams, load_params  # noqa: E402
+from p2pdiloco.training.data import Corpus  # noqa: E402
+from p2pdiloco.training.model import build_model  # noqa: E402
+from p2pdiloco.training.train import InnerTrainer  # noqa: E402
 
 MAX_TOKENS_PER_STEP = 1 << 20  # tokens are not what this experiment measures
 

@@ -167,8 +167,8 @@ def _init_worker(threads: int) -> None:
 def run_one(setting: list[str], overrides: list[str], baseline: bool) -> dict:
     """One simulation in this process: the decoupled DiLoCo run, or the baseline alone."""
     from p2pdiloco.config import load_config, replace
-    from p2pdiloco.data import Corpus
-    from p2pdiloco.simulate import baseline_alone, codec_channel, simulate
+    from p2pdiloco.sim.simulate import baseline_alone, codec_channel, simulate
+    from p2pdiloco.training.data import Corpus
 
     started = time.time()
     config = load_config(None, [*setting, "simulate.mode='decoupled'", *overrides])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from p2pdiloco.config import RunConfig, load_config
-from p2pdiloco.data import Corpus
+from p2pdiloco.training.data import Corpus
 
 # One thread a test process, and (through the environment) a process a test starts: the
 # two xdist workers fill two cores, and oversubscribed OpenMP threads spin against each

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from p2pdiloco import addressbook
-from p2pdiloco.addressbook import (
+from p2pdiloco.peer import addressbook
+from p2pdiloco.peer.addressbook import (
     FILE_NAME,
     MAX_ADDR_LEN,
     MAX_ADDRESSES,

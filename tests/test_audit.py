@@ -14,8 +14,10 @@ import dataclasses
 
 from test_commit import CONFIG, LIMITS, RUN, Cluster, Node, scenario
 
-from p2pdiloco import compress, messages
-from p2pdiloco.audit import (
+from p2pdiloco import compress
+from p2pdiloco.protocol.election import synchronizer_order
+from p2pdiloco.roles.state import prepare_update
+from p2pdiloco.trust.audit import (
     MISMATCH,
     NOTICE_TTL_S,
     OK,
@@ -26,9 +28,8 @@ from p2pdiloco.audit import (
     open_notice,
     seal_notice,
 )
-from p2pdiloco.election import synchronizer_order
-from p2pdiloco.state import prepare_update
-from p2pdiloco.updates import build_update_frame, parse_update
+from p2pdiloco.wire import messages
+from p2pdiloco.wire.updates import build_update_frame, parse_update
 
 ALWAYS = 64.0
 """An audit share above the number of contributors: every peer audits every round."""

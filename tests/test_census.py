@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from p2pdiloco.census import CensusOnEvent, MiB, _cut, census, status_bytes
+from p2pdiloco.peer.census import CensusOnEvent, MiB, _cut, census, status_bytes
 
 
 class Holder:

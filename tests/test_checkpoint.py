@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 import torch
 
-from p2pdiloco import checkpoint
-from p2pdiloco.checkpoint import FILE_NAME, atomic_write_bytes, load_learner, save_learner
 from p2pdiloco.errors import ConfigError
+from p2pdiloco.peer import checkpoint
+from p2pdiloco.peer.checkpoint import FILE_NAME, atomic_write_bytes, load_learner, save_learner
 
 CONFIG_HASH = "test-config"
 NUMEL = 512 * 1024

@@ -442,18 +442,3 @@ def test_error_feedback_survives_a_restart() -> None:
     restored.reset("a")
     assert restored.residual("a") is None and feedback.residual("a") is not None
 
-
-# ---------------------------------------------------------------------------------------
-# a pure core
-
-
-@pytest.mark.parametrize("module", ["compress", "wire", "ratelimit"])
-def test_core_modules_import_no_networking(module: str) -> None:
-    source = Path(compress.__file__).with_name(f"{module}.py").read_text()
-    imported = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            imported.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            imported.add(node.module.split(".")[0])
-    assert not imported & {"asyncio", "socket", "hivemind", "libp2p"}

@@ -21,16 +21,16 @@ from torch import nn
 
 from p2pdiloco import compress, wire
 from p2pdiloco.config import RunConfig, replace
-from p2pdiloco.contributions import contribution_digest, open_contribution
-from p2pdiloco.devices import HostStager
-from p2pdiloco.learner import Learner
-from p2pdiloco.learner_link import LearnerLink
-from p2pdiloco.membership import Heartbeat
-from p2pdiloco.replica_sync import ReplicaSync
-from p2pdiloco.state import GlobalState
-from p2pdiloco.synchronizer import Synchronizer
-from p2pdiloco.train import StepResult
+from p2pdiloco.protocol.membership import Heartbeat
+from p2pdiloco.roles.learner import Learner
+from p2pdiloco.roles.learner_link import LearnerLink
+from p2pdiloco.roles.replica import ReplicaSync
+from p2pdiloco.roles.state import GlobalState
+from p2pdiloco.roles.synchronizer import Synchronizer
+from p2pdiloco.training.devices import HostStager
+from p2pdiloco.training.train import StepResult
 from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
+from p2pdiloco.wire.contributions import contribution_digest, open_contribution
 
 RUN = "conservation"
 TOKENS_PER_STEP = 64

@@ -10,10 +10,8 @@ from io import StringIO
 
 from rich.console import Console
 
-from p2pdiloco.dashboard import Observer, SwarmSnapshot, admission_label
-from p2pdiloco.identity import Identity
-from p2pdiloco.membership import BeatTally, Heartbeat, decode_heartbeat, members_key, seal_heartbeat
-from p2pdiloco.panels import (
+from p2pdiloco.cli.dashboard import Observer, admission_label, snapshot_json
+from p2pdiloco.cli.panels import (
     render_audits,
     render_bytes,
     render_contributions,
@@ -24,9 +22,18 @@ from p2pdiloco.panels import (
     render_windows,
     weight_shares,
 )
-from p2pdiloco.rounds import RoundRecord, record_subkey, rounds_key, signed_record
+from p2pdiloco.cli.snapshot import SwarmSnapshot
+from p2pdiloco.identity import Identity
+from p2pdiloco.protocol.membership import (
+    BeatTally,
+    Heartbeat,
+    decode_heartbeat,
+    members_key,
+    seal_heartbeat,
+)
+from p2pdiloco.protocol.rounds import RoundRecord, record_subkey, rounds_key, signed_record
 from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
-from p2pdiloco.trust import Admission, Certificate, issue_certificate
+from p2pdiloco.trust.admission import Admission, Certificate, issue_certificate
 
 RUN = "panel-run"
 NOW = 1_000_000.0
@@ -201,7 +208,7 @@ def test_the_whole_screen_fits_a_demo_terminal_and_status_json_has_the_panels() 
     narrow = text_of(render_dashboard(snapshot()), width=80)
     assert not any("contributions" in line and "windows" in line for line in narrow.splitlines())
     assert "closed by" in narrow and "recv: replica" in narrow and "vs median" in narrow
-    data = json.loads(json.dumps(snapshot().to_json()))
+    data = json.loads(json.dumps(snapshot_json(snapshot())))
     assert (
         data["admission"] == "synchronizers certified, learners certified"
         and data["min_quorum"] == 2

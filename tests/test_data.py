@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from p2pdiloco.config import DataConfig
-from p2pdiloco.data import (
+from p2pdiloco.errors import DataError
+from p2pdiloco.training.data import (
     EOS,
     BatchStream,
     Corpus,
@@ -22,7 +23,6 @@ from p2pdiloco.data import (
     load_documents,
     stdlib_root,
 )
-from p2pdiloco.errors import DataError
 
 
 def _sorted_by_rglob(folder, skip=("site-packages", "dist-packages", "__pycache__")):

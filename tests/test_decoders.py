@@ -20,9 +20,17 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from proptest import examples
 
-from p2pdiloco import compress, messages, updates, wire
-from p2pdiloco.compress import CODECS, EncodedTensor, decode_tensor, decode_tensors, make_codec
-from p2pdiloco.windows import RunningMean, Wait, WindowMachine, grace_window_s
+from p2pdiloco import compress, wire
+from p2pdiloco.compress import (
+    CODECS,
+    EncodedTensor,
+    codecs,
+    decode_tensor,
+    decode_tensors,
+    make_codec,
+)
+from p2pdiloco.protocol.windows import RunningMean, Wait, WindowMachine, grace_window_s
+from p2pdiloco.wire import messages, updates
 
 LIMITS = wire.WireLimits()
 RUN = "demo"
@@ -244,7 +252,7 @@ def test_a_shape_bomb_frame_is_refused_before_anything_is_allocated(
     assert len(frame) < 256
     msg = wire.decode_message(frame, LIMITS)
     assert isinstance(msg, wire.Message)  # the frame itself is well formed
-    forbid(monkeypatch, compress._TopkCodec, "decode")
+    forbid(monkeypatch, codecs._TopkCodec, "decode")
     start = time.perf_counter()
     refused = wire.decode_tensors(msg, {"w": (64, 64)})
     assert isinstance(refused, wire.Rejected) and "not the expected [64, 64]" in refused.reason
@@ -267,7 +275,7 @@ def test_a_zstd_bomb_is_refused_from_its_header_before_decompression(
             "nbytes": len(zeros),
         }
     ]
-    forbid(monkeypatch, compress, "_bounded_decompress")
+    forbid(monkeypatch, codecs, "_bounded_decompress")
     refused = wire.decode_message(raw_frame(header, zeros), LIMITS)
     assert isinstance(refused, wire.Rejected) and "MAX_ZSTD_RATIO" in refused.reason
 

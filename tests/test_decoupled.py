@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from p2pdiloco.config import replace
-from p2pdiloco.simulate import simulate
+from p2pdiloco.sim.simulate import simulate
 
 
 def decoupled(config, **simulate_fields):

@@ -23,8 +23,7 @@ import torch
 
 from p2pdiloco.compress import decode_tensor, make_codec
 from p2pdiloco.config import OuterConfig
-from p2pdiloco.model import build_model
-from p2pdiloco.outer import (
+from p2pdiloco.outer.step import (
     SUM_BLOCK,
     OuterState,
     fixed_order_sum,
@@ -34,7 +33,8 @@ from p2pdiloco.outer import (
     tensor_norm,
     token_weights,
 )
-from p2pdiloco.state import FragmentState, GlobalState, hash_tensors
+from p2pdiloco.roles.state import FragmentState, GlobalState, hash_tensors
+from p2pdiloco.training.model import build_model
 
 ROUNDS = 5
 LEARNERS = 3

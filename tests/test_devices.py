@@ -11,13 +11,13 @@ import torch
 
 from p2pdiloco import compress, wire
 from p2pdiloco.config import TrainConfig
-from p2pdiloco.data import learner_batches
-from p2pdiloco.devices import HostStager, device_stats
-from p2pdiloco.fragments import partition_fragments
-from p2pdiloco.learner import Learner
-from p2pdiloco.model import build_model
-from p2pdiloco.state import GlobalState
-from p2pdiloco.train import InnerTrainer
+from p2pdiloco.protocol.fragments import partition_fragments
+from p2pdiloco.roles.learner import Learner
+from p2pdiloco.roles.state import GlobalState
+from p2pdiloco.training.data import learner_batches
+from p2pdiloco.training.devices import HostStager, device_stats
+from p2pdiloco.training.model import build_model
+from p2pdiloco.training.train import InnerTrainer
 
 
 def stager_round_trip(device: torch.device) -> None:

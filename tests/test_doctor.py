@@ -8,17 +8,12 @@ import logging
 
 import pytest
 
-from p2pdiloco import preflight
-from p2pdiloco.cli import main
+from p2pdiloco.cli.doctor import best_address, network_findings, tcp_problem
+from p2pdiloco.cli.main import main
 from p2pdiloco.config import PeerConfig
-from p2pdiloco.doctor import (
-    best_address,
-    check_clock_at_join,
-    network_findings,
-    peer_ids_of,
-    tcp_problem,
-)
 from p2pdiloco.errors import PreflightError
+from p2pdiloco.peer import preflight
+from p2pdiloco.peer.clock import check_clock_at_join, peer_ids_of
 from p2pdiloco.transport.base import AddressInUse, TransportStartError
 from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
 
@@ -121,7 +116,7 @@ def test_join_refuses_a_clock_too_far_off_and_warns_a_little_off(caplog) -> None
 
     with pytest.raises(PreflightError, match="preflight clock: your clock is 20.00 s"):
         asyncio.run(at_join(20.0))
-    with caplog.at_level(logging.WARNING, logger="p2pdiloco.doctor"):
+    with caplog.at_level(logging.WARNING, logger="p2pdiloco.cli.doctor"):
         assert asyncio.run(at_join(1.5)).level == "warn"
     assert "NTP" in caplog.text
     assert asyncio.run(at_join(0.0)).level == "ok"

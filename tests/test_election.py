@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from proptest import examples
 
-from p2pdiloco.election import elect_synchronizer, synchronizer_order
+from p2pdiloco.protocol.election import elect_synchronizer, synchronizer_order
 
 PEERS = [f"12D3KooPeer{i}" for i in range(6)]
 

@@ -14,14 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2pdiloco.checkpoint import FILE_NAME, read_model_state, save_learner
-from p2pdiloco.cli import main
+from p2pdiloco.cli.main import main
 from p2pdiloco.config import config_hash
-from p2pdiloco.data import EOS, decode_tokens, encode_text
 from p2pdiloco.errors import ConfigError
-from p2pdiloco.export import ExportError, hf_state_dict, model_shape, preset_of, write_hf_model
-from p2pdiloco.model import build_model
-from p2pdiloco.train import InnerTrainer
+from p2pdiloco.peer.checkpoint import FILE_NAME, read_model_state, save_learner
+from p2pdiloco.training.data import EOS, decode_tokens, encode_text
+from p2pdiloco.training.export import (
+    ExportError,
+    hf_state_dict,
+    model_shape,
+    preset_of,
+    write_hf_model,
+)
+from p2pdiloco.training.model import build_model
+from p2pdiloco.training.train import InnerTrainer
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from proptest import examples
 
-from p2pdiloco.fragments import fragments_due, partition_fragments
-from p2pdiloco.model import build_model
+from p2pdiloco.protocol.fragments import fragments_due, partition_fragments
+from p2pdiloco.training.model import build_model
 
 
 def test_model_fragments_are_balanced_and_cover_every_tensor_once() -> None:
@@ -70,7 +70,7 @@ def test_a_warm_start_syncs_every_fragment_often_then_resumes_the_staggered_sche
 
 
 def test_a_fragment_too_big_for_one_frame_names_the_fragments_needed() -> None:
-    from p2pdiloco.fragments import frame_problem
+    from p2pdiloco.protocol.fragments import frame_problem
 
     sizes = {"emb": 300, "w1": 200, "w2": 200, "b": 10}
     one = partition_fragments(sizes, 1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2pdiloco.heap import heap_free_bytes
+from p2pdiloco.peer.heap import heap_free_bytes
 
 BLOCK = 64 * 1024
 """Under glibc's default mmap threshold (128 KiB): served from the heap, not mmap."""

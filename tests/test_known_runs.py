@@ -17,18 +17,18 @@ from pathlib import Path
 
 import pytest
 
-from p2pdiloco.bootstrap import (
+from p2pdiloco.cli.main import main
+from p2pdiloco.config import PeerConfig
+from p2pdiloco.errors import NetworkSetupError
+from p2pdiloco.identity import Identity
+from p2pdiloco.transport.bootstrap import (
     SHIPPED_DIR,
     bootstrap_file_for,
     known_runs,
     read_bootstrap_file,
     resolve_initial_peers,
 )
-from p2pdiloco.cli import main
-from p2pdiloco.config import PeerConfig
-from p2pdiloco.errors import NetworkSetupError
-from p2pdiloco.identity import Identity
-from p2pdiloco.manifest import find_manifest, manifest_file_for, read_manifest
+from p2pdiloco.trust.manifest import find_manifest, manifest_file_for, read_manifest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_RUN = ["--set", "model.preset='tiny'", "--set", "sync.inner_steps=10"]

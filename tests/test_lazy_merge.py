@@ -11,8 +11,8 @@ import torch
 
 from p2pdiloco import compress, wire
 from p2pdiloco.config import load_config
-from p2pdiloco.merging import merge_round
-from p2pdiloco.screening import Candidate, History, ScreeningRules
+from p2pdiloco.outer.screening import Candidate, History, ScreeningRules
+from p2pdiloco.protocol.merge import merge_round
 
 LAYOUT = {"embed.weight": (32, 16), "block.0.b": (48,)} | {f"block.{i}.w": (32, 16) for i in range(7)}
 FRAGMENT_ELEMENTS = sum(torch.Size(s).numel() for s in LAYOUT.values())

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from p2pdiloco import compress, wire
-from p2pdiloco.data import learner_batches
-from p2pdiloco.fragments import partition_fragments
-from p2pdiloco.learner import Learner, rest_after
-from p2pdiloco.learner_link import Outcome
-from p2pdiloco.model import build_model
-from p2pdiloco.state import GlobalState
-from p2pdiloco.train import InnerTrainer
+from p2pdiloco.protocol.fragments import partition_fragments
+from p2pdiloco.roles.learner import Learner, rest_after
+from p2pdiloco.roles.learner_link import Outcome
+from p2pdiloco.roles.state import GlobalState
+from p2pdiloco.training.data import learner_batches
+from p2pdiloco.training.model import build_model
+from p2pdiloco.training.train import InnerTrainer
 
 
 def make_learner(tiny_config, tiny_corpus, num_fragments: int = 1):
@@ -224,7 +224,7 @@ def test_decided_deltas_drop_their_tensors_once_too_stale_to_matter(tiny_config,
     """Decided deltas are kept so a rival record can move them back or out; once their
     base is more than `max_staleness_rounds` behind only their claims stay. At most
     `KEPT_PER_FRAGMENT` a fragment are kept."""
-    from p2pdiloco.learner import KEPT_PER_FRAGMENT, InFlight
+    from p2pdiloco.roles.learner import KEPT_PER_FRAGMENT, InFlight
 
     learner, state, _ = make_learner(tiny_config, tiny_corpus, num_fragments=2)
     zeros = {n: torch.zeros_like(t) for n, t in state.fragment_params(0)[1].items()}
@@ -310,7 +310,7 @@ def test_a_restart_keeps_the_checkpointed_local_work_on_the_new_global(tiny_conf
     checkpointed as progress against its base and rebased onto whatever global state the
     restarted learner finds; the delta on its way is left out (if it merges after the
     crash it is in the global, else it is lost with the crash)."""
-    from p2pdiloco.checkpoint import load_learner, save_learner
+    from p2pdiloco.peer.checkpoint import load_learner, save_learner
 
     learner, state, sent = make_learner(tiny_config, tiny_corpus)
     train(learner, 3)

@@ -6,10 +6,11 @@ import dataclasses
 
 import pytest
 
-from p2pdiloco.cli import main
+from p2pdiloco.cli.main import main
 from p2pdiloco.config import load_config
 from p2pdiloco.identity import Identity, load_identity, save_identity
-from p2pdiloco.manifest import (
+from p2pdiloco.trust.admission import read_certificate
+from p2pdiloco.trust.manifest import (
     ManifestError,
     find_manifest,
     joined_config,
@@ -17,7 +18,6 @@ from p2pdiloco.manifest import (
     pin_operator,
     read_manifest,
 )
-from p2pdiloco.trust import read_certificate
 
 RUN_SETS = ["--set", "model.preset='tiny'", "--set", "sync.inner_steps=10"]
 
@@ -136,7 +136,7 @@ def test_a_manifest_is_read_from_an_http_url_and_verified_like_a_file(operator_r
     import http.server
     import threading
 
-    from p2pdiloco.manifest import MAX_MANIFEST_BYTES, ManifestError
+    from p2pdiloco.trust.manifest import MAX_MANIFEST_BYTES, ManifestError
 
     path, _ = operator_run
     (tmp_path / "big.toml").write_bytes(b"x" * (MAX_MANIFEST_BYTES + 10))

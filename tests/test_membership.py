@@ -8,7 +8,7 @@ import msgpack
 import pytest
 
 from p2pdiloco.identity import Identity
-from p2pdiloco.membership import (
+from p2pdiloco.protocol.membership import (
     PROTOCOL_VERSION,
     Heartbeat,
     decode_heartbeat,

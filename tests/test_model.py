@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2pdiloco.data import VOCAB_SIZE
-from p2pdiloco.model import (
+from p2pdiloco.training.data import VOCAB_SIZE
+from p2pdiloco.training.model import (
     PRESETS,
     Decoder,
     apply_rotary,

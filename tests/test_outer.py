@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from proptest import examples
 
-from p2pdiloco.outer import (
+from p2pdiloco.outer.step import (
     OuterState,
     cap_shares,
     merge,

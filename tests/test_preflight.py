@@ -8,8 +8,7 @@ import pytest
 
 from p2pdiloco.config import load_config
 from p2pdiloco.errors import PreflightError
-from p2pdiloco.model import PRESETS, build_model, count_parameters
-from p2pdiloco.preflight import (
+from p2pdiloco.peer.preflight import (
     CLOCK_FAIL_S,
     Finding,
     GiB,
@@ -30,6 +29,7 @@ from p2pdiloco.preflight import (
     raise_if_fatal,
     writable,
 )
+from p2pdiloco.training.model import PRESETS, build_model, count_parameters
 from p2pdiloco.transport.base import ClockReading
 
 

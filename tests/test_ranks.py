@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from p2pdiloco.errors import ConfigError
-from p2pdiloco.ranks import RankInfo, detect_ranks
+from p2pdiloco.training.ranks import RankInfo, detect_ranks
 
 
 def test_a_process_without_torchrun_is_a_single_process_learner() -> None:

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from proptest import examples
 
-from p2pdiloco.ratelimit import ConcurrencyLimit, RateLimiter
 from p2pdiloco.transport import CallTimeout, RemoteError
 from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
+from p2pdiloco.transport.ratelimit import ConcurrencyLimit, RateLimiter
 
 
 class FakeClock:

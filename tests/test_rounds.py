@@ -1,4 +1,4 @@
-"""Round records and the canonical-chain rule (pure functions of `p2pdiloco.rounds`).
+"""Round records and the canonical-chain rule (pure functions of `p2pdiloco.protocol.rounds`).
 
 Every peer reads the same records from the DHT and must pick the same one update per
 (round, fragment); these tests state that rule: the record format, what a decoder does
@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from proptest import examples
 
-from p2pdiloco.election import synchronizer_order
 from p2pdiloco.identity import Identity
-from p2pdiloco.rounds import (
+from p2pdiloco.protocol.election import synchronizer_order
+from p2pdiloco.protocol.rounds import (
     MAX_LISTED_PEERS,
     MAX_RECORD_BYTES,
     ChainView,

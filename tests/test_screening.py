@@ -22,9 +22,7 @@ import pytest
 import torch
 
 from p2pdiloco.config import replace
-from p2pdiloco.model import build_model
-from p2pdiloco.outer import OuterState, merge_mean, outer_step, pseudo_gradient, tensor_norm
-from p2pdiloco.screening import (
+from p2pdiloco.outer.screening import (
     Candidate,
     History,
     Screening,
@@ -38,8 +36,10 @@ from p2pdiloco.screening import (
     screen,
     trimmed_mean,
 )
-from p2pdiloco.simulate import global_state_of, learner_streams, load_params
-from p2pdiloco.train import InnerTrainer
+from p2pdiloco.outer.step import OuterState, merge_mean, outer_step, pseudo_gradient, tensor_norm
+from p2pdiloco.sim.simulate import global_state_of, learner_streams, load_params
+from p2pdiloco.training.model import build_model
+from p2pdiloco.training.train import InnerTrainer
 
 RULES = ScreeningRules()
 MAX_TOKENS_PER_STEP = 1024

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from p2pdiloco.config import replace
-from p2pdiloco.model import build_model, count_parameters
-from p2pdiloco.simulate import simulate
+from p2pdiloco.sim.simulate import simulate
+from p2pdiloco.training.model import build_model, count_parameters
 
 
 def test_diloco_and_sync_both_learn_on_equal_tokens(tiny_config, tiny_corpus) -> None:
@@ -43,7 +43,7 @@ def test_one_learner_with_outer_lr_one_and_no_momentum_equals_plain_training(
 
 
 def test_codec_channel_sends_fewer_bytes_and_still_trains(tiny_config, tiny_corpus) -> None:
-    from p2pdiloco.simulate import codec_channel
+    from p2pdiloco.sim.simulate import codec_channel
 
     config = replace(tiny_config, simulate={"baseline": False, "rounds": 2})
     fp32 = simulate(config, corpus=tiny_corpus)
@@ -53,7 +53,7 @@ def test_codec_channel_sends_fewer_bytes_and_still_trains(tiny_config, tiny_corp
 
 
 def test_a_warm_start_adds_short_rounds_and_keeps_the_total_steps(tiny_config, tiny_corpus) -> None:
-    from p2pdiloco.simulate import round_lengths
+    from p2pdiloco.sim.simulate import round_lengths
 
     config = replace(tiny_config, sync={"warm_steps": 4, "warm_inner_steps": 2})
     # 30 steps in all: 2 warm rounds of 2, then as many rounds of H = 10 as fit in 26
@@ -66,8 +66,8 @@ def test_a_warm_start_adds_short_rounds_and_keeps_the_total_steps(tiny_config, t
 
 
 def test_the_baseline_takes_its_own_learning_rate_when_given_one(tiny_config, tiny_corpus) -> None:
-    from p2pdiloco.data import heldout_batches
-    from p2pdiloco.simulate import run_sync_baseline
+    from p2pdiloco.sim.simulate import run_sync_baseline
+    from p2pdiloco.training.data import heldout_batches
 
     config = replace(tiny_config, simulate={"rounds": 1})
     eval_set = heldout_batches(tiny_corpus, 2, 4, 64)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from p2pdiloco.config import OuterConfig
-from p2pdiloco.state import GlobalState
+from p2pdiloco.roles.state import GlobalState
 
 
 def _params() -> dict[str, torch.Tensor]:
@@ -68,7 +68,7 @@ def test_history_is_bounded() -> None:
 def test_a_downloaded_state_that_does_not_hash_to_its_claim_changes_nothing() -> None:
     from dataclasses import replace
 
-    from p2pdiloco.state import import_verified, prepare_update
+    from p2pdiloco.roles.state import import_verified, prepare_update
 
     donor = GlobalState(_params(), [["a", "b"], ["c"]], OuterConfig())
     donor.apply_update(0, 0, {"a": torch.full((4, 3), 0.1), "b": torch.ones(5)})
@@ -91,7 +91,7 @@ def test_a_downloaded_state_that_does_not_hash_to_its_claim_changes_nothing() ->
 def test_a_prepared_update_on_the_callers_snapshot_equals_applying_it(delayed_every: int) -> None:
     """The synchronizer's merge hands its own snapshot to `prepare_update` (one copy of the
     fragment instead of five): same result, bit for bit, as applying on the replica."""
-    from p2pdiloco.state import install_update, prepare_update
+    from p2pdiloco.roles.state import install_update, prepare_update
 
     outer = OuterConfig(delayed_nesterov_every=delayed_every)
     applied = GlobalState(_params(), [["a", "b"], ["c"]], outer)

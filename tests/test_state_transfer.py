@@ -11,16 +11,16 @@ import torch
 
 from p2pdiloco import wire
 from p2pdiloco.config import OuterConfig
-from p2pdiloco.replica_sync import ReplicaSync
-from p2pdiloco.state import GlobalState, import_verified
-from p2pdiloco.state_transfer import (
+from p2pdiloco.roles.replica import ReplicaSync
+from p2pdiloco.roles.state import GlobalState, import_verified
+from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
+from p2pdiloco.wire.state_transfer import (
     PartsAssembler,
     decode_part,
     encode_part,
     part_budget,
     split_parts,
 )
-from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
 
 RUN = "parts"
 NAMES = ["a", "b", "c"]

@@ -8,10 +8,16 @@ import pytest
 import torch
 
 from p2pdiloco.config import TrainConfig
-from p2pdiloco.data import learner_batches
 from p2pdiloco.errors import DeviceError
-from p2pdiloco.model import build_model
-from p2pdiloco.train import InnerTrainer, evaluate, lr_at, make_inner_optimizer, resolve_device
+from p2pdiloco.training.data import learner_batches
+from p2pdiloco.training.model import build_model
+from p2pdiloco.training.train import (
+    InnerTrainer,
+    evaluate,
+    lr_at,
+    make_inner_optimizer,
+    resolve_device,
+)
 
 
 def test_schedule_warms_up_linearly_then_decays_to_the_floor() -> None:

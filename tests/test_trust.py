@@ -16,10 +16,10 @@ from p2pdiloco.identity import (
     unseal,
     verify,
 )
-from p2pdiloco.membership import Heartbeat, heartbeat_domain, members_key, seal_heartbeat
-from p2pdiloco.record_rules import HEARTBEAT_MAX_TTL_S, RunRecordRules, bootstrap_rules
-from p2pdiloco.rounds import RoundRecord, record_subkey, rounds_key, seal_record
-from p2pdiloco.trust import Admission, Certificate, issue_certificate, read_certificate
+from p2pdiloco.protocol.membership import Heartbeat, heartbeat_domain, members_key, seal_heartbeat
+from p2pdiloco.protocol.rounds import RoundRecord, record_subkey, rounds_key, seal_record
+from p2pdiloco.trust.admission import Admission, Certificate, issue_certificate, read_certificate
+from p2pdiloco.trust.record_rules import HEARTBEAT_MAX_TTL_S, RunRecordRules, bootstrap_rules
 
 RUN = "trust-test"
 NOW = 1_800_000_000.0

@@ -8,7 +8,7 @@ import asyncio
 from test_commit import scenario
 
 from p2pdiloco import compress
-from p2pdiloco.updates import MIN_KEPT_PER_FRAGMENT, Update, UpdateStore
+from p2pdiloco.wire.updates import MIN_KEPT_PER_FRAGMENT, Update, UpdateStore
 
 
 def update(round_id: int, fragment: int = 0, size: int = 1000) -> Update:

@@ -12,16 +12,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from p2pdiloco import compress, messages, wire
+from p2pdiloco import compress, wire
 from p2pdiloco.config import RunConfig, replace
-from p2pdiloco.contributions import seal_contribution
-from p2pdiloco.election import synchronizer_order
-from p2pdiloco.learner_link import LearnerLink
-from p2pdiloco.membership import Heartbeat
-from p2pdiloco.replica_sync import ReplicaSync
-from p2pdiloco.state import GlobalState
-from p2pdiloco.synchronizer import Synchronizer
+from p2pdiloco.protocol.election import synchronizer_order
+from p2pdiloco.protocol.membership import Heartbeat
+from p2pdiloco.roles.learner_link import LearnerLink
+from p2pdiloco.roles.replica import ReplicaSync
+from p2pdiloco.roles.state import GlobalState
+from p2pdiloco.roles.synchronizer import Synchronizer
 from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
+from p2pdiloco.wire import messages
+from p2pdiloco.wire.contributions import seal_contribution
 
 RUN = "moves"
 CONFIG = replace(RunConfig(), sync={"min_quorum": 2, "max_grace_s": 0.2, "round_deadline_s": 30.0})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2pdiloco.windows import (
+from p2pdiloco.protocol.windows import (
     RunningMean,
     clamp_tokens,
     grace_window_s,

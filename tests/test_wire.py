@@ -14,7 +14,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from proptest import examples
 
-from p2pdiloco import wire
 from p2pdiloco.compress import CODECS, EncodedTensor, encode_tensors, make_codec
 from p2pdiloco.wire import (
     CONTRIBUTION,
@@ -31,6 +30,7 @@ from p2pdiloco.wire import (
     decode_message,
     decode_tensors,
     encode_message,
+    frames,
     iter_chunks,
     message_kinds,
     register_kind,
@@ -123,7 +123,7 @@ def test_encoder_refuses_what_a_peer_would_reject() -> None:
 
 
 def test_other_modules_can_register_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(wire, "_KINDS", dict(wire._KINDS))
+    monkeypatch.setattr(frames, "_KINDS", dict(frames._KINDS))
     register_kind(
         MessageKind("heartbeat", required={"peer": "str", "load": "float"}, carries_tensors=False)
     )

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from p2pdiloco.config import TrainConfig
-from p2pdiloco.model import build_model
-from p2pdiloco.train import InnerTrainer
+from p2pdiloco.training.model import build_model
+from p2pdiloco.training.train import InnerTrainer
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "check_xla.py"
 _spec = importlib.util.spec_from_file_location("check_xla", SCRIPT)
@@ -83,8 +83,8 @@ def test_the_check_says_how_to_get_torch_xla_when_it_is_missing() -> None:
 @pytest.mark.skipif(not HAS_XLA, reason="needs torch_xla (scripts/setup_xla_env.sh)")
 def test_xla_inner_steps_compile_once_and_never_read_the_device() -> None:
     os.environ.setdefault("PJRT_DEVICE", "CPU")
-    from p2pdiloco.devices import device_stats
-    from p2pdiloco.train import resolve_device
+    from p2pdiloco.training.devices import device_stats
+    from p2pdiloco.training.train import resolve_device
 
     device = resolve_device("xla")
     config = TrainConfig(device="xla", batch_size=2, warmup_steps=2, total_steps=50)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from p2pdiloco.errors import NetworkSetupError
 from p2pdiloco.identity import Identity
-from p2pdiloco.ratelimit import ConcurrencyLimit
+from p2pdiloco.transport.ratelimit import ConcurrencyLimit
 
 logger = logging.getLogger(__name__)
 

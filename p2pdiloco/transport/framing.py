@@ -21,13 +21,13 @@ from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, suppress
 from typing import Protocol
 
-from p2pdiloco.ratelimit import ConcurrencyLimit
 from p2pdiloco.transport.base import (
     CHUNK_BYTES,
     RemoteError,
     RequestTooLarge,
     ResponseTooLarge,
 )
+from p2pdiloco.transport.ratelimit import ConcurrencyLimit
 
 logger = logging.getLogger(__name__)
 

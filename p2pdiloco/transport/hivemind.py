@@ -37,7 +37,6 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from p2pdiloco.backoff import backoff_delays, within
 from p2pdiloco.identity import Identity, load_or_create_identity
-from p2pdiloco.ratelimit import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_PER_CALLER, ConcurrencyLimit
 from p2pdiloco.transport import framing
 from p2pdiloco.transport.base import (
     DEFAULT_MAX_BYTES,
@@ -56,6 +55,11 @@ from p2pdiloco.transport.base import (
     admit_call,
     check_port_free,
     check_size_limit,
+)
+from p2pdiloco.transport.ratelimit import (
+    DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_MAX_PER_CALLER,
+    ConcurrencyLimit,
 )
 
 logger = logging.getLogger(__name__)

@@ -54,7 +54,6 @@ from libp2p.protocol_muxer.exceptions import ProtocolNotSupportedError
 
 from p2pdiloco.backoff import backoff_delays
 from p2pdiloco.identity import Identity, is_peer_id, load_or_create_identity
-from p2pdiloco.ratelimit import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_PER_CALLER, ConcurrencyLimit
 from p2pdiloco.transport import framing
 from p2pdiloco.transport.base import (
     DEFAULT_MAX_BYTES,
@@ -73,6 +72,11 @@ from p2pdiloco.transport.base import (
     admit_call,
     check_port_free,
     check_size_limit,
+)
+from p2pdiloco.transport.ratelimit import (
+    DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_MAX_PER_CALLER,
+    ConcurrencyLimit,
 )
 from p2pdiloco.transport.records import Records, RecordTable, merge_latest
 

@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 
 from p2pdiloco.identity import Identity
-from p2pdiloco.ratelimit import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_PER_CALLER, ConcurrencyLimit
 from p2pdiloco.transport.base import (
     DEFAULT_MAX_BYTES,
     CallTimeout,
@@ -30,6 +29,11 @@ from p2pdiloco.transport.base import (
     TransportStartError,
     admit_call,
     check_size_limit,
+)
+from p2pdiloco.transport.ratelimit import (
+    DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_MAX_PER_CALLER,
+    ConcurrencyLimit,
 )
 from p2pdiloco.transport.records import RecordTable
 

@@ -22,22 +22,23 @@ from typing import Any
 import msgpack
 import torch
 
-from p2pdiloco import compress, messages, wire
-from p2pdiloco.contributions import (
-    decode_contribution_list,
-    encode_audit_request,
-    seal_contribution,
-)
+from p2pdiloco import compress, wire
 from p2pdiloco.identity import Identity
-from p2pdiloco.membership import (
+from p2pdiloco.protocol.membership import (
     PROTOCOL_VERSION,
     Heartbeat,
     heartbeat_domain,
     members_key,
     open_heartbeat,
 )
-from p2pdiloco.rounds import RoundRecord, record_subkey, rounds_key, seal_record
+from p2pdiloco.protocol.rounds import RoundRecord, record_subkey, rounds_key, seal_record
 from p2pdiloco.transport import make_transport
+from p2pdiloco.wire import messages
+from p2pdiloco.wire.contributions import (
+    decode_contribution_list,
+    encode_audit_request,
+    seal_contribution,
+)
 
 FAR_FUTURE_S = 10**6
 

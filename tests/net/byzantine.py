@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from itertools import cycle
 
 from p2pdiloco import compress
-from p2pdiloco.cli import main as cli_main
-from p2pdiloco.learner import InFlight, Learner
+from p2pdiloco.cli.main import main as cli_main
+from p2pdiloco.roles.learner import InFlight, Learner
 
 log = logging.getLogger("byzantine")
 

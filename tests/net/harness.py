@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from p2pdiloco.launcher import Child, ChildFailedToStart, reap_all, wait_all_ready
+from p2pdiloco.cli.launcher import Child, ChildFailedToStart, reap_all, wait_all_ready
 
 __all__ = [
     "REPO_ROOT",
@@ -84,7 +84,7 @@ def pid_alive(pid: int) -> bool:
 class PeerProcess(Child):
     """A running child peer: its readiness report, its events, and signals to send it.
 
-    Starting, reading, waiting, stopping and reaping are `p2pdiloco.launcher.Child`'s;
+    Starting, reading, waiting, stopping and reaping are `p2pdiloco.cli.launcher.Child`'s;
     this adds the peer's identity, its stdin requests and its process-group probes.
     """
 

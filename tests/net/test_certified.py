@@ -19,7 +19,7 @@ import sys
 import pytest
 from safetensors import safe_open
 
-from p2pdiloco.election import elect_synchronizer
+from p2pdiloco.protocol.election import elect_synchronizer
 
 from .harness import start_peer_processes, write_identity
 from .swarm_util import TINY_RUN, Events, applied, start_bootstrap, wait_all

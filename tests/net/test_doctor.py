@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(180)
 SKEWED = (
     "import sys, time, hivemind.dht.protocol as p; real = p.get_dht_time; "
     "p.get_dht_time = lambda: real() + 10.0; "  # this process's DHT clock runs 10 s ahead
-    "from p2pdiloco.cli import main; sys.exit(main(sys.argv[1:]))"
+    "from p2pdiloco.cli.main import main; sys.exit(main(sys.argv[1:]))"
 )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2pdiloco.outer import token_weights
+from p2pdiloco.outer.step import token_weights
 
 from .harness import start_peer_processes
 from .swarm_util import Events, join_args, start_bootstrap, wait_all

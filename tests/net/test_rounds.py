@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2pdiloco.faults import CRASH_PHASES
+from p2pdiloco.peer.faults import CRASH_PHASES
 
 from .harness import start_peer_process
 from .swarm_util import (

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from p2pdiloco.replica_sync import MAX_CATCH_UP_ROUNDS
+from p2pdiloco.roles.replica import MAX_CATCH_UP_ROUNDS
 
 from .harness import start_peer_process
 from .swarm_util import (

@@ -1,0 +1,183 @@
+"""A learner's side of the network: send a delta with failover; settle it by the record.
+
+Runs on the peer's event loop, never on the training thread. `contribute` walks the
+rendezvous order of (round, fragment): the elected synchronizer first, the next one when
+a call fails or times out (failover), one named in a `moved` reply. Whatever the
+synchronizer answered, the committed round record is the truth: a delta is merged when
+the canonical record of its round lists it, and a synchronizer that died after
+committing is settled by reading that record. Updates are applied through
+`ReplicaSync`; every fault ends as a logged outcome, never an exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+from p2pdiloco import wire
+from p2pdiloco.config import SyncConfig
+from p2pdiloco.protocol.election import synchronizer_order
+from p2pdiloco.protocol.membership import Heartbeat, synchronizer_candidates
+from p2pdiloco.protocol.rounds import RoundRecord, open_record
+from p2pdiloco.roles.replica import ReplicaSync
+from p2pdiloco.transport.base import Transport, TransportError, transfer_timeout_s
+from p2pdiloco.wire import messages
+from p2pdiloco.wire.contributions import seal_contribution
+from p2pdiloco.wire.messages import Outcome
+
+log = logging.getLogger(__name__)
+
+MAX_CANDIDATES = 3
+"""Synchronizers tried for one (round, fragment) before giving up on the window."""
+MAX_MOVES = 4
+"""`moved` redirects followed for one contribution (a window moves up the order only)."""
+
+
+def with_unreachable(frame: bytes, unreachable: list[str], limits: wire.WireLimits) -> bytes:
+    """The CONTRIBUTION `frame` with `unreachable` set in its meta (failover path only)."""
+    message = wire.decode_message(frame, limits)
+    if isinstance(message, wire.Rejected):
+        return frame
+    meta = {**message.meta, "unreachable": list(unreachable)}
+    return wire.encode_message(dataclasses.replace(message, meta=meta))
+
+
+class LearnerLink:
+    """Contributions out, settled by committed records, for one peer."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        run: str,
+        sync: SyncConfig,
+        replicas: ReplicaSync,
+        members: Callable[[], dict[str, Heartbeat]],
+        limits: wire.WireLimits,
+    ) -> None:
+        self.transport = transport
+        self.run = run
+        self.sync = sync
+        self.replicas = replicas
+        self.members = members
+        self.limits = limits
+        self.bytes_received = 0
+
+    def call_timeout_s(self, frame_bytes: int) -> float:
+        """A live synchronizer answers by its deadline plus grace, merge and commit time,
+        plus moving the contribution in and an update of its size out to a holder (twice,
+        if the first holder fails) on a slow link; only a dead or frozen one runs past
+        this (then: failover)."""
+        sync = self.sync
+        return transfer_timeout_s(sync.round_deadline_s + sync.max_grace_s + 30.0, 3 * frame_bytes)
+
+    def overall_timeout_s(self, frame_bytes: int) -> float:
+        """Bound on one contribution, every candidate and move included."""
+        return 2 * self.call_timeout_s(frame_bytes) + 30.0
+
+    def candidates(self, round_id: int, fragment: int) -> list[str]:
+        """Failover order of synchronizers for (round, fragment) in this peer's view."""
+        return synchronizer_order(
+            self.run, round_id, fragment, synchronizer_candidates(self.members(), self.replicas.may_synchronize)
+        )
+
+    async def contribute(self, fragment: int, target_round: int, frame: bytes) -> Outcome:
+        """Send one CONTRIBUTION frame for `target_round`, bounded by `overall_timeout_s`."""
+        started = time.monotonic()
+        try:
+            return await asyncio.wait_for(
+                self._contribute(fragment, target_round, frame, started), self.overall_timeout_s(len(frame))
+            )
+        except TimeoutError:
+            settled = await self._settle_by_record(fragment, target_round, "", started, len(frame), 0)
+            return settled or Outcome(
+                "unreachable", target_round, fragment, reason="contribution timed out",
+                latency_s=time.monotonic() - started,
+            )
+
+    async def _contribute(self, fragment: int, target_round: int, frame: bytes, started: float) -> Outcome:
+        pending = self.candidates(target_round, fragment)[:MAX_CANDIDATES]
+        tried: list[str] = []
+        unreachable: list[str] = []
+        moves = 0
+        while pending:
+            candidate = pending.pop(0)
+            tried.append(candidate)
+            try:
+                raw = await self.transport.call(
+                    candidate,
+                    f"{self.run}.{messages.RPC_CONTRIBUTE}",
+                    seal_contribution(self.transport.identity, self.run, frame),
+                    timeout_s=self.call_timeout_s(len(frame)),
+                    max_response_bytes=1 << 20,
+                )
+            except TransportError as exc:
+                log.warning(
+                    "synchronizer failed peer=%s round=%d fragment=%d error=%r; failing over",
+                    candidate[-8:], target_round, fragment, exc,
+                )
+                # It may have died after committing: the record then settles the delta.
+                settled = await self._settle_by_record(fragment, target_round, candidate, started, len(frame), 0)
+                if settled is not None:
+                    return settled
+                unreachable.append(candidate)
+                frame = with_unreachable(frame, unreachable, self.limits)
+                continue
+            self.bytes_received += len(raw)
+            reply = messages.decode_reply(raw, self.limits, self.run)
+            if isinstance(reply, wire.Rejected):
+                reason = reply.reason
+                log.warning("bad reply peer=%s reason=%r", candidate[-8:], reason)
+                continue
+            status = reply.meta["status"]
+            if status == messages.BEHIND:
+                continue
+            if status == messages.MOVED:
+                moved_to = str(reply.meta.get("moved_to", ""))
+                if moves < MAX_MOVES and moved_to and moved_to not in unreachable:
+                    moves += 1
+                    pending = [moved_to, *(p for p in pending if p != moved_to)]
+                continue
+            record = open_record(self.run, reply.meta["record"]) if "record" in reply.meta else None
+            if record is not None and not self.replicas.entitled(record):
+                record = None
+            if status in (messages.MERGED, messages.LATE):
+                if record is not None and (record.round, record.fragment) == (target_round, fragment):
+                    await self.replicas.apply_committed(record)
+                else:
+                    await self.replicas.sync_fragment(fragment)
+                record = self.replicas.committed(fragment, target_round) or record
+                status = self._status_by_record(record, status)
+            weight = record.weight_of(self.transport.peer_id) if record is not None else None
+            return Outcome(
+                status, target_round, fragment, candidate, float(weight or 0.0),
+                str(reply.meta.get("reason", "")), len(frame), len(raw), time.monotonic() - started,
+            )
+        return Outcome("unreachable", target_round, fragment, reason=f"tried {len(tried)} synchronizers")
+
+    def _status_by_record(self, record: RoundRecord | None, claimed: str) -> str:
+        """merged when the canonical record lists this peer, late when it does not."""
+        if record is None:
+            return claimed
+        return messages.MERGED if record.weight_of(self.transport.peer_id) is not None else messages.LATE
+
+    async def _settle_by_record(
+        self, fragment: int, round_id: int, synchronizer: str, started: float, sent: int, received: int
+    ) -> Outcome | None:
+        """The outcome of a delta for a round that is already committed, else None."""
+        try:
+            chain = await self.replicas.read_chain(fragment)
+        except TransportError:
+            return None
+        record = chain.get(round_id)
+        if record is None:
+            return None
+        await self.replicas.sync_fragment(fragment, chain)
+        status = self._status_by_record(record, messages.LATE)
+        return Outcome(
+            status, round_id, fragment, record.synchronizer or synchronizer,
+            float(record.weight_of(self.transport.peer_id) or 0.0), "settled by the round record",
+            sent, received, time.monotonic() - started,
+        )

@@ -1,0 +1,90 @@
+"""What the DHT of a run stores: the validator every peer applies to every record.
+
+A run uses a fixed set of keys (its heartbeats, its fraud notices and one round-record key
+per fragment).
+Each record must be a dictionary entry (never a plain value that would replace the whole
+dictionary), under a subkey naming the peer that signed the value, with an expiration
+no further ahead than its kind ever needs. Heartbeats are signed by the peer they speak
+for; round records by their synchronizer, who in a certified run also shows an operator
+certificate. Anything else is refused when a peer asks us to store it and dropped when
+a peer returns it to us, so a forged or malformed value never reaches the protocol.
+
+The check is pure (`now` is passed in); the hivemind transport wraps it in hivemind's
+record-validator hook and the in-memory transport applies it directly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from p2pdiloco.config import MAX_FRAGMENTS
+from p2pdiloco.protocol.membership import members_key, open_heartbeat
+from p2pdiloco.protocol.rounds import open_record, record_subkey, rounds_key
+from p2pdiloco.trust.admission import Admission
+from p2pdiloco.trust.audit import NOTICE_TTL_S, notices_key, open_notice
+
+HEARTBEAT_MAX_TTL_S = 300.0
+"""No heartbeat lives longer (a peer beats every few seconds and expires after 4 beats)."""
+RECORD_MAX_TTL_S = 3600.0 + 300.0
+"""No round record lives longer (committed records are kept an hour)."""
+MAX_SUBKEY_CHARS = 128
+
+
+@dataclass(frozen=True)
+class RunRecordRules:
+    """The record rules of one run (every peer of the run builds the same)."""
+
+    run: str
+    num_fragments: int
+    admission: Admission = Admission()
+
+    def keys(self) -> list[str]:
+        """Every DHT key the run uses; records under any other key are refused."""
+        return [members_key(self.run), notices_key(self.run)] + [
+            rounds_key(self.run, f) for f in range(self.num_fragments)
+        ]
+
+    def check(self, key: str, subkey: object, value: object, expiration: float, now: float) -> str | None:
+        """Why the record must not be stored or believed, or None when it is acceptable."""
+        if not isinstance(subkey, str) or not subkey or len(subkey) > MAX_SUBKEY_CHARS:
+            return "not a dictionary entry under a short subkey"
+        if not isinstance(expiration, float | int) or not math.isfinite(expiration):
+            return "expiration is not a finite time"
+        if key == members_key(self.run):
+            if expiration > now + HEARTBEAT_MAX_TTL_S:
+                return "heartbeat expires too far ahead"
+            beat = open_heartbeat(self.run, subkey, value)
+            return beat if isinstance(beat, str) else None
+        if key == notices_key(self.run):
+            if expiration > now + NOTICE_TTL_S + 300:
+                return "fraud notice expires too far ahead"
+            notice = open_notice(self.run, subkey, value)
+            return notice if isinstance(notice, str) else None
+        for fragment in range(self.num_fragments):
+            if key == rounds_key(self.run, fragment):
+                return self._check_record(fragment, subkey, value, expiration, now)
+        return "not a key of this run"
+
+    def _check_record(self, fragment: int, subkey: str, value: object, expiration: float, now: float) -> str | None:
+        if expiration > now + RECORD_MAX_TTL_S:
+            return "round record expires too far ahead"
+        record = open_record(self.run, value)
+        if record is None:
+            return "not a round record signed by its synchronizer"
+        if record.fragment != fragment or subkey != record_subkey(record.round, record.synchronizer):
+            return "round record stored under another fragment or subkey"
+        refusal = self.admission.synchronizer_refusal(
+            self.run, record.synchronizer, record.certificates, record.closed_at
+        )
+        return f"synchronizer not entitled: {refusal}" if refusal else None
+
+
+def bootstrap_rules(run: str, num_fragments: int | None, admission: Admission) -> RunRecordRules:
+    """The rules of a bootstrap node: a DHT node that stores what the run's rules allow.
+
+    With a manifest it knows the run's fragment count. Without one (an open run) the
+    learners choose it, and a bootstrap node that refused the records of their higher
+    fragments would make their stores fail at random (hivemind answers a store with its
+    last replica's answer): it takes every fragment a run may have."""
+    return RunRecordRules(run, num_fragments if num_fragments is not None else MAX_FRAGMENTS, admission)

@@ -1,0 +1,62 @@
+"""The package's folders are its architecture: check the layers hold (scripts/structure.py)."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("structure", ROOT / "scripts" / "structure.py")
+structure = importlib.util.module_from_spec(spec)
+sys.modules["structure"] = structure
+spec.loader.exec_module(structure)
+
+NETWORKING = {"asyncio", "socket", "hivemind", "libp2p", "trio", "multiaddr"}
+PURE_FOLDERS = ("compress", "outer", "wire", "protocol")
+
+
+@pytest.fixture(scope="module")
+def modules() -> dict:
+    return structure.read_modules()
+
+
+def test_no_module_imports_one_that_imports_it_back(modules: dict) -> None:
+    assert structure.circles(modules) == []
+
+
+def test_no_module_imports_from_a_folder_above_its_own(modules: dict) -> None:
+    assert structure.against_layers(modules) == []
+
+
+def test_every_folder_of_the_package_is_a_named_layer() -> None:
+    folders = {p.name for p in structure.PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert folders == set(structure.LAYERS) - {""}
+
+
+@pytest.mark.parametrize("folder", PURE_FOLDERS)
+def test_the_math_and_the_formats_do_no_networking(folder: str) -> None:
+    for path in sorted((structure.PACKAGE / folder).glob("*.py")):
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module.split(".")[0])
+        assert not imported & NETWORKING, path
+
+
+def test_the_checker_sees_a_circle_and_an_upward_import(tmp_path: Path) -> None:
+    """The checks above can fail: a made-up package with both faults is caught."""
+    fake = {
+        "p2pdiloco.wire.a": structure.Module("p2pdiloco.wire.a", tmp_path / "a.py", 1, ast.parse("")),
+        "p2pdiloco.wire.b": structure.Module("p2pdiloco.wire.b", tmp_path / "b.py", 1, ast.parse("")),
+        "p2pdiloco.cli.c": structure.Module("p2pdiloco.cli.c", tmp_path / "c.py", 1, ast.parse("")),
+    }
+    fake["p2pdiloco.wire.a"].imports = {"p2pdiloco.wire.b", "p2pdiloco.cli.c"}
+    fake["p2pdiloco.wire.b"].imports = {"p2pdiloco.wire.a"}
+    assert structure.circles(fake) == [["p2pdiloco.wire.a", "p2pdiloco.wire.b"]]
+    assert structure.against_layers(fake) == ["p2pdiloco.wire.a -> p2pdiloco.cli.c"]
