@@ -52,10 +52,11 @@ from p2pdiloco import compress, wire  # noqa: E402
 from p2pdiloco.config import load_config, replace  # noqa: E402
 from p2pdiloco.identity import Identity  # noqa: E402
 from p2pdiloco.outer import screening  # noqa: E402
+from p2pdiloco.outer.fragment import outer_update  # noqa: E402
 from p2pdiloco.outer.step import Params, pseudo_gradient, tensor_norm  # noqa: E402
 from p2pdiloco.protocol.merge import max_tokens_per_step, merge_round  # noqa: E402
 from p2pdiloco.protocol.rounds import RoundRecord, open_record, seal_record  # noqa: E402
-from p2pdiloco.roles.state import GlobalState, prepare_update  # noqa: E402
+from p2pdiloco.roles.state import GlobalState  # noqa: E402
 from p2pdiloco.sim.simulate import global_state_of, learner_streams, load_params  # noqa: E402
 from p2pdiloco.training.data import Corpus, heldout_batches  # noqa: E402
 from p2pdiloco.training.model import build_model  # noqa: E402
@@ -252,9 +253,8 @@ def defence_cost(config, clean: RunFigures, rules) -> dict:
             outer=config.outer, sync=config.sync, rules=rules, max_tokens_per_step=max_tokens_per_step(config),
             outer_codec=compress.make_codec_from_config(config.compress, outer=True),
         )
-        scratch = GlobalState(dict(snapshot.params), [list(snapshot.params)], config.outer)
-        scratch.import_fragment(snapshot)
-        prepare_update(scratch, 0, snapshot.round, merged.decoded)
+        outer_update(GlobalState(dict(snapshot.params), [list(snapshot.params)], config.outer).checked_copy(snapshot),
+                     merged.decoded, config.outer)
 
     screen_s, audit_s = timed(screen, 3), timed(audit, 3)
     audit_rate = min(1.0, config.sync.audit_share / learners)  # per peer and round

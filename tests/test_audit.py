@@ -15,8 +15,9 @@ import dataclasses
 from test_commit import CONFIG, LIMITS, RUN, Cluster, Node, scenario
 
 from p2pdiloco import compress
+from p2pdiloco.outer.fragment import outer_update
+from p2pdiloco.outer.step import tensor_norm
 from p2pdiloco.protocol.election import synchronizer_order
-from p2pdiloco.roles.state import prepare_update
 from p2pdiloco.trust.audit import (
     MISMATCH,
     NOTICE_TTL_S,
@@ -29,7 +30,7 @@ from p2pdiloco.trust.audit import (
     seal_notice,
 )
 from p2pdiloco.wire import messages
-from p2pdiloco.wire.updates import build_update_frame, parse_update
+from p2pdiloco.wire.updates import new_update
 
 ALWAYS = 64.0
 """An audit share above the number of contributors: every peer audits every round."""
@@ -45,20 +46,19 @@ def lying(node: Node, factor: float = 10.0) -> None:
     honest = node.sync._merge
 
     def merge(window, grace_s):
-        result, prepared, update, first = honest(window, grace_s)
+        result, advanced, update, norm, first = honest(window, grace_s)
         if update is None:
-            return result, prepared, update, first
+            return result, advanced, update, norm, first
         m = window.machine
         forged = {n: t * factor for n, t in result.decoded.items()}
         encoded = {n: node.sync.outer_codec.encode(t) for n, t in forged.items()}
         decoded = {n: compress.decode_tensor(e) for n, e in encoded.items()}
-        prepared = prepare_update(node.state, m.fragment, m.round, decoded)
-        frame = build_update_frame(
-            RUN, m.round, m.fragment, node.peer_id, prepared.parent_hash, prepared.hash,
-            update.contributors, encoded, grace_s,
+        advanced = outer_update(node.state.export_fragment(m.fragment), decoded, node.state.outer)
+        forged_update = new_update(
+            RUN, m.round, m.fragment, node.peer_id, update.parent, advanced.hash,
+            list(update.contributors), encoded, grace_s,
         )
-        forged_update = parse_update(frame, LIMITS, RUN, node.replicas.shapes)
-        return result, prepared, forged_update, first
+        return result, advanced, forged_update, tensor_norm(decoded), first
 
     node.sync._merge = merge
 

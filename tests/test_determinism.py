@@ -23,6 +23,7 @@ import torch
 
 from p2pdiloco.compress import decode_tensor, make_codec
 from p2pdiloco.config import OuterConfig
+from p2pdiloco.outer.fragment import FragmentState, hash_tensors
 from p2pdiloco.outer.step import (
     SUM_BLOCK,
     OuterState,
@@ -33,7 +34,7 @@ from p2pdiloco.outer.step import (
     tensor_norm,
     token_weights,
 )
-from p2pdiloco.roles.state import FragmentState, GlobalState, hash_tensors
+from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.training.model import build_model
 
 ROUNDS = 5
@@ -301,7 +302,7 @@ def test_accumulated_sums_are_hashed_exported_and_imported() -> None:
     without_sums.update({f"m/{n}": source.outer_state.momentum[n] for n in ("a", "c")})
     assert snapshot.hash != hash_tensors(without_sums)  # the sums are part of the hash
     copy = _state(rounds=0)
-    assert copy.import_fragment(snapshot) == snapshot.hash
+    assert copy.import_verified(snapshot) == snapshot.hash
     grad = {"a": torch.full((4, 3), 0.5), "c": torch.full((2, 2), 0.25)}
     # the next update applies the delayed momentum: identical only if the sums came along
     assert copy.apply_update(0, 3, grad) == source.apply_update(0, 3, grad)
@@ -349,7 +350,7 @@ def test_a_bad_import_leaves_the_state_unchanged(case: str) -> None:
     hashes = [target.fragment_hash(0), target.fragment_hash(1)]
     rounds, steps = list(target.rounds), dict(target.outer_state.tensor_steps)
     with pytest.raises(ValueError):
-        target.import_fragment(_bad_snapshots()[case])
+        target.install_download(target.checked_copy(_bad_snapshots()[case]))
     assert [target.fragment_hash(0), target.fragment_hash(1)] == hashes
     assert target.rounds == rounds and target.outer_state.tensor_steps == steps
     for mine, before in (

@@ -12,7 +12,7 @@ import torch
 from p2pdiloco import wire
 from p2pdiloco.config import OuterConfig
 from p2pdiloco.roles.replica import ReplicaSync
-from p2pdiloco.roles.state import GlobalState, import_verified
+from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
 from p2pdiloco.wire.state_transfer import (
     PartsAssembler,
@@ -65,7 +65,7 @@ def test_a_state_sent_in_parts_arrives_whole_and_hashes_to_its_claim() -> None:
     state = assembler.state()
     assert not isinstance(state, str)
     joiner = GlobalState({n: torch.zeros(s) for n, s in SHAPES.items()}, [NAMES], OuterConfig())
-    assert import_verified(joiner, state) == donor.fragment_hash(0)
+    assert joiner.import_verified(state) == donor.fragment_hash(0)
 
 
 def test_parts_of_two_states_out_of_order_or_repeated_are_refused() -> None:
@@ -115,7 +115,7 @@ def test_a_joiner_downloads_every_part_from_a_donor_over_the_transport() -> None
             await sync.start()
         state = await syncs[1]._download_from(donor_transport.peer_id, 0, head=3)
         assert state is not None and state.round == 3
-        assert import_verified(joiner, state) == donor.fragment_hash(0)
+        assert joiner.import_verified(state) == donor.fragment_hash(0)
         assert syncs[1].bytes_received > 0
         assert not syncs[0]._serving  # the donor's copy went with the last part
         # a peer still at genesis has nothing to give: a refusal, not a hang

@@ -31,17 +31,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from p2pdiloco import wire
+from p2pdiloco.outer.fragment import FragmentState, outer_update
 from p2pdiloco.outer.step import tensor_norm
 from p2pdiloco.protocol.membership import Heartbeat, synchronizer_candidates
 from p2pdiloco.protocol.rounds import RoundRecord, canonical_chain, records_of, rounds_key
-from p2pdiloco.roles.state import (
-    FragmentState,
-    GlobalState,
-    PreparedUpdate,
-    import_verified,
-    install_update,
-    prepare_update,
-)
+from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.transport.base import Transport, TransportError, transfer_timeout_s
 from p2pdiloco.transport.ratelimit import RateLimiter
 from p2pdiloco.trust.admission import Admission
@@ -78,13 +72,6 @@ NORM_HISTORY = 8
 MIN_NORM_HISTORY = 3
 
 
-def outer_gradient_norm(update: Update) -> float:
-    """The L2 norm of an update's outer gradient (worker thread); inf if it does not decode."""
-    try:
-        return tensor_norm(update.decode())
-    except ValueError:
-        return math.inf
-
 FETCH_TIMEOUT_S = 30.0
 """Deadline of one `get_update` call, seconds, plus its expected bytes (int8: about one a
 parameter) at the slowest expected link (`transfer_timeout_s`)."""
@@ -94,6 +81,10 @@ MAX_FETCH_PEERS = 6
 """Peers asked for one update before this sync pass gives up on it."""
 MAX_CATCH_UP_ROUNDS = 8
 """Behind by more rounds than this: download the fragment's state instead of replaying."""
+
+
+class ResultMismatch(ValueError):
+    """An update whose result does not hash to what its round record signs."""
 
 
 class ReplicaSync:
@@ -307,17 +298,17 @@ class ReplicaSync:
         # applied_hashes holds the hash after each applied round: no hashing on the loop
         return self.state.applied_hashes[fragment].get(round_id - 1)
 
-    async def install_own(self, record: RoundRecord, update: Update, prepared: PreparedUpdate) -> bool:
-        """Install a result this peer committed as synchronizer (no decode, no fetch)."""
+    async def install_own(self, record: RoundRecord, update: Update, advanced: FragmentState, norm: float) -> bool:
+        """Install a result this peer committed as synchronizer (no decode, no fetch, no hash:
+        `advanced` is the `outer_update` whose hash the record signs)."""
         fragment = record.fragment
         async with self._locks[fragment]:
             self.keep(update)
             self.chains[fragment][record.round] = record
             loop = asyncio.get_running_loop()
-            installed = await loop.run_in_executor(self.worker, install_update, self.state, prepared)
+            installed = await loop.run_in_executor(self.worker, self.state.install, advanced, update.parent)
             if installed:
                 self.applied[fragment][record.round] = record.digest
-                norm = await loop.run_in_executor(self.worker, outer_gradient_norm, update)
                 self.recent_norms[fragment].append(norm)
             return installed
 
@@ -400,7 +391,11 @@ class ReplicaSync:
         # the record applied is the one a learner asks about once the round is passed
         self.chains[record.fragment][record.round] = record
         loop = asyncio.get_running_loop()
-        norm = await loop.run_in_executor(self.worker, outer_gradient_norm, update)
+        try:
+            decoded = await loop.run_in_executor(self.worker, update.decode)
+        except ValueError as exc:
+            return self._refuse(record, f"update does not decode: {exc}")
+        norm = await loop.run_in_executor(self.worker, tensor_norm, decoded)
         if self._should_audit(record, norm):
             snapshot = self.state.export_fragment(record.fragment)
             result = await self.audit(record, snapshot)
@@ -408,41 +403,37 @@ class ReplicaSync:
                 await self._convict(record, result.reason)
                 return False
         try:
-            new_hash = await loop.run_in_executor(self.worker, self._apply, update, record.hash)
+            await loop.run_in_executor(self.worker, self._apply, update, decoded, record.hash)
+        except ResultMismatch as exc:
+            # a lie of the synchronizer, or this replica left the chain unnoticed
+            self.on_event({"event": "diverged", "fragment": record.fragment, "round": record.round})
+            return self._refuse(record, str(exc))
         except ValueError as exc:
-            log.warning(
-                "update refused round=%d fragment=%d reason=%r", record.round, record.fragment, str(exc)
-            )
-            self.void.add(record.digest)
-            return False
+            return self._refuse(record, str(exc))
         self.applied[record.fragment][record.round] = record.digest
         self.recent_norms[record.fragment].append(norm)
-        if new_hash != record.hash:
-            log.error(
-                "replica diverged round=%d fragment=%d ours=%s theirs=%s",
-                record.round, record.fragment, new_hash[:12], record.hash[:12],
-            )
-            self.on_event({"event": "diverged", "fragment": record.fragment, "round": record.round})
-            return False
         return True
 
-    def _apply(self, update: Update, expected_hash: str) -> str:
-        """Decode, check and apply one update (worker thread).
+    def _refuse(self, record: RoundRecord, reason: str) -> bool:
+        """A committed update this replica cannot apply: skipped from now on (False)."""
+        log.warning("update refused round=%d fragment=%d reason=%r", record.round, record.fragment, reason)
+        self.void.add(record.digest)
+        return False
 
-        The result is computed on a copy first: an update with non-finite values or whose
-        result does not hash to its record's signed hash never touches the replica.
+    def _apply(self, update: Update, decoded: dict[str, torch.Tensor], signed_hash: str) -> None:
+        """Apply one decoded update (worker thread): the one hash taken is the result's.
+
+        The result is computed on a copy first: an update whose result does not hash to
+        its record's signed hash never touches the replica. The parent is checked against
+        the hash this replica recorded when it reached the round, not hashed again.
         """
-        if self.state.fragment_hash(update.fragment) != update.parent:
+        if self.state.current_hash(update.fragment) != update.parent:
             raise ValueError("update's parent is not this replica's state")
-        decoded = update.decode()
-        if not all(bool(torch.isfinite(t).all()) for t in decoded.values()):
-            raise ValueError("update holds non-finite values")
-        prepared = prepare_update(self.state, update.fragment, update.round, decoded)
-        if prepared.hash != expected_hash:
-            raise ValueError("update's result does not match its record's signed hash")
-        if not install_update(self.state, prepared):
+        advanced = outer_update(self.state.export_fragment(update.fragment), decoded, self.state.outer)
+        if advanced.hash != signed_hash:
+            raise ResultMismatch("update's result does not match its record's signed hash")
+        if not self.state.install(advanced, update.parent):
             raise ValueError("replica moved during the update")
-        return prepared.hash
 
     # --- audits ---------------------------------------------------------------------------
 
@@ -672,7 +663,7 @@ class ReplicaSync:
                 )
                 continue
             try:
-                local_hash = await loop.run_in_executor(self.worker, import_verified, self.state, state)
+                local_hash = await loop.run_in_executor(self.worker, self.state.import_verified, state)
             except ValueError as exc:
                 log.warning("state from donor=%s refused reason=%r", donor[-8:], str(exc))
                 continue

@@ -8,57 +8,27 @@ every CPU kernel set: docs/arithmetic.md). Each fragment has a hash over its par
 momentum and delayed-Nesterov accumulators, published in round records so a diverged
 replica notices.
 
-The learner thread and the network thread share this object; a lock guards it.
+The step itself is `outer.fragment.outer_update` (pure); a replica adds what only a
+replica has: a lock (the learner thread and the network thread share it), the hash after
+every round it applied (so a parent is never hashed again), and listeners.
 """
 
 from __future__ import annotations
 
-import hashlib
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 import torch
 
 from p2pdiloco.config import OuterConfig
-from p2pdiloco.outer.step import OuterState, Params, outer_step
-
-UPDATE_HISTORY = 16
-"""Encoded outer updates kept per fragment, to serve peers catching up."""
-
-
-def hash_tensors(tensors: Mapping[str, torch.Tensor]) -> str:
-    """Hex digest over names, shapes and little-endian fp32 bytes, in name order."""
-    digest = hashlib.blake2b(digest_size=16)
-    for name in sorted(tensors):
-        tensor = tensors[name].detach().to(torch.float32).contiguous().cpu()
-        digest.update(name.encode())
-        digest.update(repr(tuple(tensor.shape)).encode())
-        # the array's own buffer (flat, contiguous): no copy of a tensor to hash it
-        digest.update(tensor.numpy().astype("<f4", copy=False).reshape(-1).data)
-    return digest.hexdigest()
-
-
-def _hash_of_parts(params: Mapping[str, torch.Tensor], momentum: Mapping[str, torch.Tensor], accumulated: Mapping[str, torch.Tensor]) -> str:
-    """The fragment hash of these tensors (`GlobalState.fragment_hash`)."""
-    tensors = {f"p/{n}": t for n, t in params.items()}
-    tensors.update({f"m/{n}": t for n, t in momentum.items()})
-    tensors.update({f"a/{n}": t for n, t in accumulated.items()})
-    return hash_tensors(tensors)
-
-
-@dataclass(frozen=True)
-class FragmentState:
-    """A copy of one fragment's global state, as sent to a peer that joins."""
-
-    fragment: int
-    round: int
-    params: Params
-    momentum: Params
-    hash: str
-    accumulated: Params = field(default_factory=dict)
-    """Deltas summed since the last momentum update (`outer.delayed_nesterov_every > 1`)."""
+from p2pdiloco.outer.fragment import (
+    FragmentState,
+    Layout,
+    check_fragment_state,
+    fragment_hash,
+    outer_update,
+)
+from p2pdiloco.outer.step import OuterState, Params
 
 
 class GlobalState:
@@ -73,9 +43,9 @@ class GlobalState:
         self.outer_state = OuterState()
         self.rounds = [0] * len(fragments)
         self.lock = threading.RLock()
-        self._history: list[OrderedDict[int, bytes]] = [OrderedDict() for _ in fragments]
         self.applied_hashes: list[dict[int, str]] = [{} for _ in fragments]
-        """Hash of each fragment after each update this replica applied."""
+        """Hash of each fragment after each round this replica applied (or downloaded)."""
+        self._genesis: list[str | None] = [None] * len(fragments)
         self.listeners: list[Callable[[int, int], None]] = []
         """Called as `listener(fragment, round)` after each applied update (any thread)."""
 
@@ -87,275 +57,139 @@ class GlobalState:
         with self.lock:
             return self.rounds[fragment]
 
+    def layout(self, fragment: int) -> Layout:
+        """The fragment's tensor names and shapes."""
+        return {n: tuple(self.params[n].shape) for n in self.fragments[fragment]}
+
     def fragment_params(self, fragment: int) -> tuple[int, Params]:
         """(round, a copy of the fragment's parameters): the base a learner's delta refers to."""
         with self.lock:
             names = self.fragments[fragment]
             return self.rounds[fragment], {n: self.params[n].clone() for n in names}
 
-    def _momentum_of(self, fragment: int) -> Params:
-        return {
-            n: self.outer_state.momentum[n]
-            for n in self.fragments[fragment]
-            if n in self.outer_state.momentum
-        }
-
-    def _accumulated_of(self, fragment: int) -> Params:
-        return {
-            n: self.outer_state.accumulated[n]
-            for n in self.fragments[fragment]
-            if n in self.outer_state.accumulated
-        }
+    def _own(self, fragment: int, hash_: str = "") -> FragmentState:
+        """The fragment as a `FragmentState` over this replica's own tensors (no copy)."""
+        names = self.fragments[fragment]
+        optimizer = self.outer_state
+        return FragmentState(
+            fragment=fragment,
+            round=self.rounds[fragment],
+            params={n: self.params[n] for n in names},
+            momentum={n: optimizer.momentum[n] for n in names if n in optimizer.momentum},
+            hash=hash_,
+            accumulated={n: optimizer.accumulated[n] for n in names if n in optimizer.accumulated},
+        )
 
     def fragment_hash(self, fragment: int) -> str:
-        """Hash of the fragment's parameters, outer momentum and delayed-Nesterov sums.
-
-        The sums (`a/<name>`, present only between momentum updates when
-        `delayed_nesterov_every > 1`) shape the next updates, so they are part of the state.
-        """
+        """The fragment's hash computed from its tensors now (see `current_hash`)."""
         with self.lock:
-            names = self.fragments[fragment]
-            params = {n: self.params[n] for n in names}
-            return _hash_of_parts(params, self._momentum_of(fragment), self._accumulated_of(fragment))
+            own = self._own(fragment)
+            return fragment_hash(own.params, own.momentum, own.accumulated)
 
-    def apply_update(
-        self, fragment: int, round_id: int, outer_grad: Mapping[str, torch.Tensor]
-    ) -> str:
-        """Apply the outer update of (round_id, fragment); returns the fragment's new hash.
+    def current_hash(self, fragment: int) -> str:
+        """The fragment's hash at its current round, as recorded when the round was applied:
+        hashed only once per replica (at round 0), never again for a parent."""
+        with self.lock:
+            round_id = self.rounds[fragment]
+            if round_id > 0:
+                return self.applied_hashes[fragment][round_id - 1]
+            if self._genesis[fragment] is None:
+                self._genesis[fragment] = self.fragment_hash(fragment)
+            return self._genesis[fragment]
 
-        Raises ValueError when the replica is not at `round_id` for that fragment or the
-        gradient does not cover exactly the fragment's tensors: the caller catches up first.
+    def export_fragment(self, fragment: int) -> FragmentState:
+        """A consistent private copy of one fragment's state (for a joiner, or to compute an
+        update on without touching the replica)."""
+        with self.lock:
+            own = self._own(fragment, self.current_hash(fragment))
+            return FragmentState(
+                fragment=fragment,
+                round=own.round,
+                params={n: t.clone() for n, t in own.params.items()},
+                momentum={n: t.clone() for n, t in own.momentum.items()},
+                hash=own.hash,
+                accumulated={n: t.clone() for n, t in own.accumulated.items()},
+            )
+
+    def apply_update(self, fragment: int, round_id: int, outer_grad: Mapping[str, torch.Tensor]) -> str:
+        """Apply the outer update of (round_id, fragment) in place; returns the new hash.
+
+        For a gradient this replica trusts (the simulators, tests). ValueError, before
+        anything changes, when the replica is not at `round_id` for that fragment or the
+        gradient does not cover exactly the fragment's tensors.
         """
         with self.lock:
             if self.rounds[fragment] != round_id:
                 raise ValueError(
                     f"fragment {fragment} is at round {self.rounds[fragment]}, update is for round {round_id}"
                 )
-            names = self.fragments[fragment]
-            if set(outer_grad) != set(names):
-                raise ValueError(
-                    f"update for fragment {fragment} does not cover exactly its tensors"
-                )
-            for name in names:
-                if tuple(outer_grad[name].shape) != tuple(self.params[name].shape):
-                    raise ValueError(
-                        f"update tensor {name} has shape {tuple(outer_grad[name].shape)}"
-                    )
-            outer_step(
-                self.params,
-                {n: outer_grad[n] for n in names},
-                self.outer_state,
-                lr=self.outer.lr,
-                momentum=self.outer.momentum,
-                nesterov=self.outer.nesterov,
-                delayed_every=self.outer.delayed_nesterov_every,
-            )
-            self.rounds[fragment] += 1
-            new_hash = self.fragment_hash(fragment)
-            self.applied_hashes[fragment][round_id] = new_hash
-        for listener in list(self.listeners):
-            listener(fragment, round_id)
-        return new_hash
+            advanced = outer_update(self._own(fragment), outer_grad, self.outer)
+            self.install(advanced)
+            return advanced.hash
 
-    def remember_update(self, fragment: int, round_id: int, encoded: bytes) -> None:
-        """Keep the encoded update of (round_id, fragment) to serve peers catching up."""
+    def install(self, advanced: FragmentState, parent: str | None = None) -> bool:
+        """Make `advanced` (an `outer_update` of this replica's round) the fragment's state,
+        if the replica is still at its parent round (and hash `parent`, when given); True
+        if installed. Its tensors become the replica's."""
         with self.lock:
-            history = self._history[fragment]
-            history[round_id] = encoded
-            while len(history) > UPDATE_HISTORY:
-                history.popitem(last=False)
-
-    def encoded_update(self, fragment: int, round_id: int) -> bytes | None:
-        """The encoded update of (round_id, fragment) if this replica still keeps it."""
-        with self.lock:
-            return self._history[fragment].get(round_id)
-
-    def export_fragment(self, fragment: int) -> FragmentState:
-        """A consistent copy of one fragment's state (for a joining peer)."""
-        with self.lock:
-            names = self.fragments[fragment]
-            return FragmentState(
-                fragment=fragment,
-                round=self.rounds[fragment],
-                params={n: self.params[n].clone() for n in names},
-                momentum={n: t.clone() for n, t in self._momentum_of(fragment).items()},
-                hash=self.fragment_hash(fragment),
-                accumulated={n: t.clone() for n, t in self._accumulated_of(fragment).items()},
-            )
+            fragment = advanced.fragment
+            if self.rounds[fragment] != advanced.round - 1:
+                return False
+            if parent is not None and self.current_hash(fragment) != parent:
+                return False
+            self._take(advanced)
+            self.outer_state.num_steps += 1
+            self.applied_hashes[fragment][advanced.round - 1] = advanced.hash
+        self._tell(fragment, advanced.round - 1)
+        return True
 
     def checked_copy(self, state: FragmentState) -> FragmentState:
-        """fp32 CPU copies of a downloaded fragment's params, momentum and sums, after
-        checking names, shapes and finiteness of every tensor (ValueError otherwise), with
-        `hash` set to what the copies hash to, not to what the donor claimed. Reads only
-        the layout, so it needs no lock and leaves the replica untouched."""
-        if isinstance(state.fragment, bool) or not isinstance(state.fragment, int):
-            raise ValueError(f"fragment must be an int, got {state.fragment!r}")
-        if not 0 <= state.fragment < self.num_fragments:
-            raise ValueError(f"no fragment {state.fragment} (there are {self.num_fragments})")
-        if isinstance(state.round, bool) or not isinstance(state.round, int) or state.round < 0:
-            raise ValueError(f"round must be a non-negative int, got {state.round!r}")
-        names = set(self.fragments[state.fragment])
-        if set(state.params) != names:
-            raise ValueError(f"state of fragment {state.fragment} does not match its tensors")
-        copies: list[Params] = []
-        for kind, tensors in (
-            ("params", state.params),
-            ("momentum", state.momentum),
-            ("accumulated", state.accumulated),
-        ):
-            if not set(tensors) <= names:
-                extra = sorted(set(tensors) - names)[0]
-                raise ValueError(f"{kind} tensor {extra!r} is not in fragment {state.fragment}")
-            checked: Params = {}
-            for name, tensor in tensors.items():
-                if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
-                    raise ValueError(f"{kind} tensor {name} is not a floating-point tensor")
-                if tuple(tensor.shape) != tuple(self.params[name].shape):
-                    raise ValueError(f"{kind} tensor {name} has shape {tuple(tensor.shape)}")
-                copy = tensor.detach().to(device="cpu", dtype=torch.float32, copy=True)
-                # After the cast: a float64 value beyond the fp32 range would become inf.
-                if not bool(torch.isfinite(copy).all()):
-                    raise ValueError(f"{kind} tensor {name} is not finite")
-                checked[name] = copy
-            copies.append(checked)
-        params, momentum, accumulated = copies
-        return FragmentState(
-            fragment=state.fragment,
-            round=state.round,
-            params=params,
-            momentum=momentum,
-            hash=_hash_of_parts(params, momentum, accumulated),
-            accumulated=accumulated,
-        )
+        """`check_fragment_state` against this replica's layout (no lock: reads the layout)."""
+        if isinstance(state.fragment, int) and 0 <= state.fragment < self.num_fragments:
+            layout = self.layout(state.fragment)
+        else:
+            layout = {}
+        return check_fragment_state(state, layout, self.num_fragments)
 
-    def import_fragment(self, state: FragmentState) -> str:
-        """Replace one fragment's state with a downloaded copy; returns its hash here.
-
-        Everything is checked before anything changes: on ValueError the replica is as it was.
-        """
-        return self.install_checked(self.checked_copy(state))
-
-    def install_checked(self, checked: FragmentState) -> str:
-        """Install a `checked_copy` (its tensors become the replica's); returns its hash."""
+    def install_download(self, checked: FragmentState) -> str:
+        """Replace one fragment's state with a `checked_copy` of a download (its tensors
+        become the replica's); the hashes of earlier rounds are forgotten. Returns its hash."""
         with self.lock:
-            for name in self.fragments[checked.fragment]:
-                self.params[name] = checked.params[name]
-                for mine, theirs in (
-                    (self.outer_state.momentum, checked.momentum),
-                    (self.outer_state.accumulated, checked.accumulated),
-                ):
-                    if name in theirs:
-                        mine[name] = theirs[name]
-                    else:
-                        mine.pop(name, None)
-                self.outer_state.tensor_steps[name] = checked.round
-            self.rounds[checked.fragment] = checked.round
-            self._history[checked.fragment].clear()
+            self._take(checked)
             self.applied_hashes[checked.fragment] = {checked.round - 1: checked.hash} if checked.round else {}
-        for listener in list(self.listeners):
-            listener(checked.fragment, checked.round - 1)
+            if not checked.round:
+                self._genesis[checked.fragment] = checked.hash
+        self._tell(checked.fragment, checked.round - 1)
         return checked.hash
 
+    def import_verified(self, state: FragmentState) -> str | None:
+        """Import a downloaded fragment only if its contents hash to what it claims.
 
-@dataclass(frozen=True)
-class PreparedUpdate:
-    """The result of an outer update computed on a copy: installed only once committed."""
+        The hash is taken of the checked copies before they are installed, so a donor
+        that names a canonical hash but sends other tensors never changes this replica,
+        and the copies checked are the copies installed. Returns the hash, or None.
+        """
+        try:
+            checked = self.checked_copy(state)
+        except ValueError:
+            return None
+        if checked.hash != state.hash:
+            return None
+        return self.install_download(checked)
 
-    fragment: int
-    round: int
-    parent_hash: str
-    hash: str
-    scratch: GlobalState
-    """A one-fragment state holding the new parameters and optimizer buffers."""
-
-
-def _scratch_of(snapshot: FragmentState, names: list[str], outer: OuterConfig) -> GlobalState:
-    """A one-fragment state that takes over a snapshot's tensors, without copying them.
-
-    A snapshot from `export_fragment` is already a private copy; the clone in the
-    constructor and the checked copies of `import_fragment` would be two more (at 75M
-    parameters a copy of parameters and momentum is 600 MB). The snapshot is consumed: an
-    update applied to the scratch changes its tensors in place.
-    """
-    scratch = GlobalState({}, [list(names)], outer)
-    scratch.params = {n: snapshot.params[n] for n in names}
-    scratch.outer_state.momentum = dict(snapshot.momentum)
-    scratch.outer_state.accumulated = dict(snapshot.accumulated)
-    scratch.outer_state.tensor_steps = {n: snapshot.round for n in names}
-    scratch.rounds = [snapshot.round]
-    return scratch
-
-
-def prepare_update(
-    state: GlobalState,
-    fragment: int,
-    round_id: int,
-    outer_grad: Mapping[str, torch.Tensor],
-    snapshot: FragmentState | None = None,
-) -> PreparedUpdate:
-    """Compute (round_id, fragment)'s update on a copy, leaving `state` untouched.
-
-    The synchronizer needs the resulting hash for its round record *before* it commits,
-    and must not change its replica until the commit point. `snapshot`, the caller's own
-    `export_fragment` of this fragment, saves a copy and is consumed (its tensors become
-    the result's). Raises ValueError as `apply_update` does.
-    """
-    if snapshot is None:
-        snapshot = state.export_fragment(fragment)
-    if snapshot.fragment != fragment or snapshot.round != round_id:
-        raise ValueError(f"fragment {fragment} is at round {snapshot.round}, update is for round {round_id}")
-    scratch = _scratch_of(snapshot, state.fragments[fragment], state.outer)
-    new_hash = scratch.apply_update(0, round_id, outer_grad)
-    return PreparedUpdate(fragment, round_id, snapshot.hash, new_hash, scratch)
-
-
-def hash_after(
-    snapshot: FragmentState, names: list[str], outer: OuterConfig, outer_grad: Mapping[str, torch.Tensor]
-) -> str:
-    """The hash a fragment at `snapshot` has after applying `outer_grad`.
-
-    What an auditor compares with a round record; ValueError as `apply_update`. The
-    snapshot is consumed (see `_scratch_of`).
-    """
-    return _scratch_of(snapshot, names, outer).apply_update(0, snapshot.round, outer_grad)
-
-
-def install_update(state: GlobalState, prepared: PreparedUpdate) -> bool:
-    """Swap a prepared result into `state` if it is still at the prepared parent; True if so."""
-    with state.lock:
-        fragment = prepared.fragment
-        if state.rounds[fragment] != prepared.round or state.fragment_hash(fragment) != prepared.parent_hash:
-            return False
-        source = prepared.scratch.outer_state
-        target = state.outer_state
-        for name in state.fragments[fragment]:
-            state.params[name] = prepared.scratch.params[name]
-            for own, theirs in ((target.momentum, source.momentum), (target.accumulated, source.accumulated)):
+    def _take(self, state: FragmentState) -> None:
+        """The fragment's tensors and round become `state`'s (under the lock)."""
+        optimizer = self.outer_state
+        for name in self.fragments[state.fragment]:
+            self.params[name] = state.params[name]
+            for own, theirs in ((optimizer.momentum, state.momentum), (optimizer.accumulated, state.accumulated)):
                 if name in theirs:
                     own[name] = theirs[name]
                 else:
                     own.pop(name, None)
-            target.tensor_steps[name] = source.tensor_steps.get(name, 0)
-        target.num_steps += 1
-        state.rounds[fragment] += 1
-        state.applied_hashes[fragment][prepared.round] = prepared.hash
-    for listener in list(state.listeners):
-        listener(fragment, prepared.round)
-    return True
+            optimizer.tensor_steps[name] = state.round
+        self.rounds[state.fragment] = state.round
 
-
-def import_verified(state: GlobalState, fragment_state: FragmentState) -> str | None:
-    """Import a downloaded fragment only if its contents hash to what it claims.
-
-    The hash is taken of the checked copies before they are installed, so a donor that
-    names a canonical hash but sends other tensors never changes this replica, and the
-    copies checked are the copies installed (one copy of the fragment). Returns the
-    hash, or None.
-    """
-    try:
-        checked = state.checked_copy(fragment_state)
-    except ValueError:
-        return None
-    if checked.hash != fragment_state.hash:
-        return None
-    return state.install_checked(checked)
+    def _tell(self, fragment: int, round_id: int) -> None:
+        for listener in list(self.listeners):
+            listener(fragment, round_id)

@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 
 from p2pdiloco import compress, wire
 from p2pdiloco.config import RunConfig
+from p2pdiloco.outer.fragment import outer_update
 from p2pdiloco.outer.screening import Candidate, ScreeningRules
+from p2pdiloco.outer.step import tensor_norm
 from p2pdiloco.protocol.election import synchronizer_order
 from p2pdiloco.protocol.membership import Heartbeat, learners, synchronizer_candidates
 from p2pdiloco.protocol.merge import history_of, max_tokens_per_step, merge_round
@@ -53,7 +55,7 @@ from p2pdiloco.protocol.windows import (
     staleness_rejection,
 )
 from p2pdiloco.roles.replica import ReplicaSync
-from p2pdiloco.roles.state import GlobalState, prepare_update
+from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.transport.base import Transport, TransportError, transfer_timeout_s
 from p2pdiloco.wire import messages
 from p2pdiloco.wire.contributions import (
@@ -63,7 +65,7 @@ from p2pdiloco.wire.contributions import (
     encode_contribution_list,
     open_contribution,
 )
-from p2pdiloco.wire.updates import Update, build_update_frame, parse_update
+from p2pdiloco.wire.updates import Update, new_update
 
 log = logging.getLogger(__name__)
 
@@ -444,7 +446,7 @@ class Synchronizer:
         loop = asyncio.get_running_loop()
         merging = loop.run_in_executor(self.worker, self._merge, window, grace_s)
         await self.hook("during_merge", m.round, m.fragment)
-        result, prepared, update, history_first = await merging
+        result, advanced, update, norm, history_first = await merging
         refused = result.screening.refused
         for peer, reason in refused.items():
             self._reject(m.round, m.fragment, reason, peer)
@@ -494,7 +496,7 @@ class Synchronizer:
             return
         self.kept.put(m.round, m.fragment, [window.sealed[c.peer] for c in result.candidates])
         await self.hook("after_record", m.round, m.fragment)
-        await self.replicas.install_own(record, update, prepared)
+        await self.replicas.install_own(record, update, advanced, norm)
         elapsed = time.monotonic() - started
         self.sync_time.update(elapsed)
         for arrival in m.arrivals.values():
@@ -535,9 +537,9 @@ class Synchronizer:
     def _merge(self, window: Window, grace_s: float):
         """Screen, weigh, merge, encode, and the result on a copy of the fragment (worker thread).
 
-        Returns (merge, prepared state, update, first history round); prepared and update
-        are None when nothing was kept or the replica moved past the round meanwhile (a
-        rival's update was applied).
+        Returns (merge, advanced state, update, its outer-gradient norm, first history
+        round); the state and update are None when nothing was kept or the replica moved
+        past the round meanwhile (a rival's update was applied).
         """
         m = window.machine
         snapshot = self.state.export_fragment(m.fragment)
@@ -556,19 +558,16 @@ class Synchronizer:
             outer_codec=self.outer_codec,
         )
         if result.decoded is None or len(result.screening.kept) < self.config.sync.min_quorum:
-            return result, None, None, history_first
-        try:
-            prepared = prepare_update(self.state, m.fragment, m.round, result.decoded, snapshot)
-        except ValueError:
-            return result, None, None, history_first
+            return result, None, None, 0.0, history_first
+        if snapshot.round != m.round:
+            return result, None, None, 0.0, history_first
+        advanced = outer_update(snapshot, result.decoded, self.config.outer)
         contributors = [(v.peer, float(v.weight), v.tokens) for v in result.screening.kept]
-        frame = build_update_frame(
-            self.run, m.round, m.fragment, self.peer_id, prepared.parent_hash, prepared.hash,
+        update = new_update(
+            self.run, m.round, m.fragment, self.peer_id, snapshot.hash, advanced.hash,
             contributors, result.encoded, grace_s,
         )
-        update = parse_update(frame, self.limits, self.run, self.replicas.shapes)
-        assert not isinstance(update, wire.Rejected), update
-        return result, prepared, update, history_first
+        return result, advanced, update, tensor_norm(result.decoded), history_first
 
     async def _hold(self, update: Update) -> list[str] | None:
         """Push the update to live learners until `commit_holders` keep it; None if too few.

@@ -22,10 +22,10 @@ import msgpack
 from p2pdiloco import compress, wire
 from p2pdiloco.config import RunConfig
 from p2pdiloco.identity import Identity, SealError, is_peer_id, peek, unseal
+from p2pdiloco.outer.fragment import FragmentState, outer_update
 from p2pdiloco.outer.screening import Candidate, ScreeningRules
 from p2pdiloco.protocol.merge import history_from, max_tokens_per_step, merge_round
 from p2pdiloco.protocol.rounds import RoundRecord
-from p2pdiloco.roles.state import FragmentState, hash_after
 from p2pdiloco.wire.contributions import contribution_digest, open_contribution
 
 OK, MISMATCH, UNVERIFIABLE = "ok", "mismatch", "unverifiable"
@@ -123,7 +123,7 @@ def audit_round(
     if result.decoded is None:
         return AuditResult(MISMATCH, "no contribution passes the screening, yet a merge was committed")
     try:
-        recomputed = hash_after(snapshot, names, config.outer, result.decoded)
+        recomputed = outer_update(snapshot, result.decoded, config.outer).hash
     except ValueError as exc:
         return AuditResult(MISMATCH, f"the merge cannot be applied: {exc}")
     if recomputed != record.hash:

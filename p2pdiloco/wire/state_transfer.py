@@ -7,7 +7,7 @@ the 2^28 of `wire.WireLimits`), so the state goes in parts: whole tensors, in a 
 order, each part within half of every limit (room for the header and for fp32 and its
 envelope). Each part names the fragment's round and hash; the joiner takes every part
 from one donor, refuses a mix of two states, and checks the whole by hash at the end
-(`state.import_verified`), so a donor can make a download fail but never land.
+(`GlobalState.import_verified`), so a donor can make a download fail but never land.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from p2pdiloco import compress, wire
-from p2pdiloco.roles.state import FragmentState
+from p2pdiloco.outer.fragment import FragmentState
 from p2pdiloco.wire import messages
 
 MAX_STATE_PARTS = 4096

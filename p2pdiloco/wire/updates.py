@@ -92,6 +92,35 @@ def build_update_frame(
     )
 
 
+def new_update(
+    run: str,
+    round_id: int,
+    fragment: int,
+    synchronizer: str,
+    parent: str,
+    new_hash: str,
+    contributors: list[tuple[str, float, int]],
+    tensors: dict[str, compress.EncodedTensor],
+    grace_s: float = 0.0,
+) -> Update:
+    """The `Update` a synchronizer commits, built from what it holds (its frame encoded
+    once, nothing parsed back): what `parse_update` of that frame returns."""
+    frame = build_update_frame(
+        run, round_id, fragment, synchronizer, parent, new_hash, contributors, tensors, grace_s
+    )
+    return Update(
+        frame=frame,
+        digest=update_digest(frame),
+        round=round_id,
+        fragment=fragment,
+        synchronizer=synchronizer,
+        parent=parent,
+        hash=new_hash,
+        contributors=tuple((str(p), float(w), int(t)) for p, w, t in contributors),
+        tensors=dict(tensors),
+    )
+
+
 def parse_update(
     frame: bytes,
     limits: wire.WireLimits,
