@@ -136,7 +136,7 @@ class ReplicaSync:
         self.shapes = [
             {n: tuple(state.params[n].shape) for n in names} for names in state.fragments
         ]
-        self.genesis = [state.fragment_hash(f) for f in range(state.num_fragments)]
+        self.genesis = [state.current_hash(f) for f in range(state.num_fragments)]
         self._sizes = [sum(math.prod(shape) for shape in shapes.values()) for shapes in self.shapes]
         self.chains: list[dict[int, RoundRecord]] = [{} for _ in state.fragments]
         """The canonical chain of each fragment as last read from the DHT."""
