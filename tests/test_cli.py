@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from p2pdiloco.cli.main import build_parser, config_from_args
+from p2pdiloco.cli.main import build_parser
+from p2pdiloco.cli.options import config_from_args
 from p2pdiloco.config import PeerConfig, load_config
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from p2pdiloco.cli.main import build_parser, config_from_args
+from p2pdiloco.cli.main import build_parser
+from p2pdiloco.cli.options import config_from_args
 from p2pdiloco.config import load_config
 from p2pdiloco.errors import ConfigError, NetworkSetupError
 from p2pdiloco.events import EventSink

@@ -23,6 +23,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from p2pdiloco.cli.options import (
+    add_config_options,
+    add_peer_flag,
+    add_watch_flags,
+    config_from_args,
+    names_a_run,
+    observer_config,
+)
 from p2pdiloco.peer.clock import CLOCK_PEERS, CLOCK_S, peer_ids_of, read_clocks
 from p2pdiloco.peer.preflight import (
     Finding,
@@ -205,9 +213,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     """Check this machine for the run; exit 0 when nothing failed, 1 otherwise."""
     from rich.console import Console
 
-    from p2pdiloco.cli.main import _names_a_run, config_from_args, observer_config
-
-    config = observer_config(args)[0] if _names_a_run(args) else config_from_args(args)
+    config = observer_config(args)[0] if names_a_run(args) else config_from_args(args)
     peer, kind = config.peer, config.network.transport
     findings = local_findings(config)
     if not args.offline:
@@ -228,9 +234,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return exit_code(findings)
 
 
-def add_command(
-    sub: argparse._SubParsersAction, add_config_options, add_watch_flags, add_peer_flag
-) -> None:
+def add_command(sub: argparse._SubParsersAction) -> None:
     """`p2pdiloco doctor` on the top-level parser."""
     doctor = sub.add_parser(
         "doctor", help="check this machine for a run: devices, RAM, disk, clock, reachability"

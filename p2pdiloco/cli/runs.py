@@ -16,6 +16,7 @@ import json
 import time
 from pathlib import Path
 
+from p2pdiloco.cli.options import add_config_options, add_watch_flags, observer_config
 from p2pdiloco.config import load_config
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.identity import Identity, is_peer_id, load_or_create_identity
@@ -182,7 +183,6 @@ def cmd_identity(args: argparse.Namespace) -> int:
 
 def cmd_audit(args: argparse.Namespace) -> int:
     """Audit the next round of a live run; exit 0 ok, 1 proven false, 3 unverifiable."""
-    from p2pdiloco.cli.main import observer_config
     from p2pdiloco.peer.daemon import make_transport_for
     from p2pdiloco.roles.observer import audit_next_round
     from p2pdiloco.trust.audit import MISMATCH, OK
@@ -211,7 +211,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0 if result.verdict == OK else 1 if result.verdict == MISMATCH else 3
 
 
-def add_commands(sub: argparse._SubParsersAction, add_config_options, add_watch_flags) -> None:
+def add_commands(sub: argparse._SubParsersAction) -> None:
     """`run init|sign|certify|show`, `runs`, `identity` and `audit` on the top-level parser."""
     run = sub.add_parser("run", help="operator tools: the signed run manifest and certificates")
     verbs = run.add_subparsers(dest="verb", metavar="VERB")
