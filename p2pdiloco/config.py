@@ -32,8 +32,53 @@ SIMULATE_MODES = ("lockstep", "decoupled")
 
 
 def _check(cond: bool, name: str, message: str) -> None:
+    """ConfigError "`name` `message`" unless `cond`."""
     if not cond:
         raise ConfigError(f"{name} {message}")
+
+
+# The rules most fields follow. Each reads the field its dotted name ends in from the
+# section being validated and words the error as the rule is written, e.g.
+# "sync.min_quorum must be >= 1, got 0". NaN fails every comparison, so it is refused too.
+
+
+def _field(section: Any, dotted: str) -> Any:
+    """The value of `section.key` for a dotted name "section.key"."""
+    return getattr(section, dotted.rpartition(".")[2])
+
+
+def _at_least(section: Any, dotted: str, low: float) -> None:
+    """ConfigError unless the field is >= `low`."""
+    value = _field(section, dotted)
+    _check(value >= low, dotted, f"must be >= {low}, got {value}")
+
+
+def _positive(section: Any, dotted: str) -> None:
+    """ConfigError unless the field is > 0."""
+    value = _field(section, dotted)
+    _check(value > 0, dotted, f"must be > 0, got {value}")
+
+
+def _within(section: Any, dotted: str, interval: str, note: str = "") -> None:
+    """ConfigError unless the field lies in `interval`, written as the message shows it
+    ("[0, 1)", "(0, 10]"); `note` is added in parentheses after it."""
+    value = _field(section, dotted)
+    low, high = (float(bound) for bound in interval[1:-1].split(","))
+    above = low < value if interval[0] == "(" else low <= value
+    below = value < high if interval[-1] == ")" else value <= high
+    hint = f" ({note})" if note else ""
+    _check(above and below, dotted, f"must be in {interval}{hint}, got {value}")
+
+
+def _one_of(section: Any, dotted: str, choices: tuple[str, ...]) -> None:
+    """ConfigError unless the field is one of `choices`."""
+    value = _field(section, dotted)
+    _check(value in choices, dotted, f"must be one of {choices}, got {value!r}")
+
+
+def _not_empty(section: Any, dotted: str) -> None:
+    """ConfigError if the field is empty."""
+    _check(bool(_field(section, dotted)), dotted, "must not be empty")
 
 
 @dataclass(frozen=True)
@@ -46,16 +91,8 @@ class ModelConfig:
     """Tokens (bytes) per training sequence."""
 
     def __post_init__(self) -> None:
-        _check(
-            self.preset in MODEL_PRESETS,
-            "model.preset",
-            f"must be one of {MODEL_PRESETS}, got {self.preset!r}",
-        )
-        _check(
-            8 <= self.seq_len <= 65536,
-            "model.seq_len",
-            f"must be in [8, 65536], got {self.seq_len}",
-        )
+        _one_of(self, "model.preset", MODEL_PRESETS)
+        _within(self, "model.seq_len", "[8, 65536]")
 
 
 @dataclass(frozen=True)
@@ -73,14 +110,10 @@ class DataConfig:
     """Read at most this many files (0 = all); keeps demos and tests fast."""
 
     def __post_init__(self) -> None:
-        _check(bool(self.source), "data.source", "must not be empty")
-        _check(bool(self.text_field), "data.text_field", "must not be empty")
-        _check(
-            0.0 < self.heldout_fraction < 1.0,
-            "data.heldout_fraction",
-            f"must be in (0, 1), got {self.heldout_fraction}",
-        )
-        _check(self.max_files >= 0, "data.max_files", f"must be >= 0, got {self.max_files}")
+        _not_empty(self, "data.source")
+        _not_empty(self, "data.text_field")
+        _within(self, "data.heldout_fraction", "(0, 1)")
+        _at_least(self, "data.max_files", 0)
 
 
 @dataclass(frozen=True)
@@ -117,32 +150,18 @@ class TrainConfig:
     busy time stays at this share (1: it never rests)."""
 
     def __post_init__(self) -> None:
-        _check(
-            self.device in DEVICES, "train.device", f"must be one of {DEVICES}, got {self.device!r}"
-        )
-        _check(self.batch_size >= 1, "train.batch_size", f"must be >= 1, got {self.batch_size}")
-        _check(self.grad_accum >= 1, "train.grad_accum", f"must be >= 1, got {self.grad_accum}")
-        _check(0.0 < self.lr < 1.0, "train.lr", f"must be in (0, 1), got {self.lr}")
-        _check(
-            self.weight_decay >= 0.0, "train.weight_decay", f"must be >= 0, got {self.weight_decay}"
-        )
-        _check(0.0 <= self.beta1 < 1.0, "train.beta1", f"must be in [0, 1), got {self.beta1}")
-        _check(0.0 <= self.beta2 < 1.0, "train.beta2", f"must be in [0, 1), got {self.beta2}")
-        _check(
-            self.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {self.warmup_steps}"
-        )
-        _check(self.total_steps >= 1, "train.total_steps", f"must be >= 1, got {self.total_steps}")
-        _check(
-            0.0 <= self.min_lr_ratio <= 1.0,
-            "train.min_lr_ratio",
-            f"must be in [0, 1], got {self.min_lr_ratio}",
-        )
-        _check(self.grad_clip >= 0.0, "train.grad_clip", f"must be >= 0, got {self.grad_clip}")
-        _check(
-            0.0 < self.compute_share <= 1.0,
-            "train.compute_share",
-            f"must be in (0, 1], got {self.compute_share}",
-        )
+        _one_of(self, "train.device", DEVICES)
+        _at_least(self, "train.batch_size", 1)
+        _at_least(self, "train.grad_accum", 1)
+        _within(self, "train.lr", "(0, 1)")
+        _at_least(self, "train.weight_decay", 0)
+        _within(self, "train.beta1", "[0, 1)")
+        _within(self, "train.beta2", "[0, 1)")
+        _at_least(self, "train.warmup_steps", 0)
+        _at_least(self, "train.total_steps", 1)
+        _within(self, "train.min_lr_ratio", "[0, 1]")
+        _at_least(self, "train.grad_clip", 0)
+        _within(self, "train.compute_share", "(0, 1]")
 
 
 @dataclass(frozen=True)
@@ -171,35 +190,13 @@ class OuterConfig:
     """Apply momentum once per this many merges (1 = ordinary Nesterov)."""
 
     def __post_init__(self) -> None:
-        _check(0.0 < self.lr <= 10.0, "outer.lr", f"must be in (0, 10], got {self.lr}")
-        _check(
-            0.0 <= self.momentum < 1.0, "outer.momentum", f"must be in [0, 1), got {self.momentum}"
-        )
-        _check(
-            self.merge in MERGE_RULES,
-            "outer.merge",
-            f"must be one of {MERGE_RULES}, got {self.merge!r}",
-        )
-        _check(
-            0.0 <= self.trim_fraction < 0.5,
-            "outer.trim_fraction",
-            f"must be in [0, 0.5), got {self.trim_fraction}",
-        )
-        _check(
-            0.0 < self.max_weight_share <= 1.0,
-            "outer.max_weight_share",
-            f"must be in (0, 1], got {self.max_weight_share}",
-        )
-        _check(
-            self.radial_norm in RADIAL_NORMS,
-            "outer.radial_norm",
-            f"must be one of {RADIAL_NORMS}, got {self.radial_norm!r}",
-        )
-        _check(
-            self.delayed_nesterov_every >= 1,
-            "outer.delayed_nesterov_every",
-            f"must be >= 1, got {self.delayed_nesterov_every}",
-        )
+        _within(self, "outer.lr", "(0, 10]")
+        _within(self, "outer.momentum", "[0, 1)")
+        _one_of(self, "outer.merge", MERGE_RULES)
+        _within(self, "outer.trim_fraction", "[0, 0.5)")
+        _within(self, "outer.max_weight_share", "(0, 1]")
+        _one_of(self, "outer.radial_norm", RADIAL_NORMS)
+        _at_least(self, "outer.delayed_nesterov_every", 1)
 
 
 MAX_FRAGMENTS = 64
@@ -257,12 +254,9 @@ class SyncConfig:
     audited (see security.md)."""
 
     def __post_init__(self) -> None:
-        _check(
-            self.commit_holders >= 0,
-            "sync.commit_holders",
-            f"must be >= 0, got {self.commit_holders}",
-        )
-        _check(self.inner_steps >= 1, "sync.inner_steps", f"must be >= 1, got {self.inner_steps}")
+        # in this order: the cross-field checks divide by (or compare with) a checked field
+        _at_least(self, "sync.commit_holders", 0)
+        _at_least(self, "sync.inner_steps", 1)
         _check(
             1 <= self.num_fragments <= self.inner_steps,
             "sync.num_fragments",
@@ -273,7 +267,7 @@ class SyncConfig:
             "sync.num_fragments",
             f"must be at most {MAX_FRAGMENTS}, got {self.num_fragments}",
         )
-        _check(self.warm_steps >= 0, "sync.warm_steps", f"must be >= 0, got {self.warm_steps}")
+        _at_least(self, "sync.warm_steps", 0)
         _check(
             1 <= self.warm_inner_steps <= self.inner_steps,
             "sync.warm_inner_steps",
@@ -284,51 +278,17 @@ class SyncConfig:
             "sync.warm_steps",
             f"must be a multiple of sync.warm_inner_steps={self.warm_inner_steps}, got {self.warm_steps}",
         )
-        _check(self.min_quorum >= 1, "sync.min_quorum", f"must be >= 1, got {self.min_quorum}")
-        _check(
-            0.0 <= self.min_token_fraction <= 1.0,
-            "sync.min_token_fraction",
-            f"must be in [0, 1], got {self.min_token_fraction}",
-        )
-        _check(
-            self.overlap_steps >= 0, "sync.overlap_steps", f"must be >= 0, got {self.overlap_steps}"
-        )
-        _check(
-            0.0 <= self.grace_gamma < 1.0,
-            "sync.grace_gamma",
-            f"must be in [0, 1), got {self.grace_gamma}",
-        )
-        _check(self.max_grace_s >= 0.0, "sync.max_grace_s", f"must be >= 0, got {self.max_grace_s}")
-        _check(
-            self.round_deadline_s > 0.0,
-            "sync.round_deadline_s",
-            f"must be > 0, got {self.round_deadline_s}",
-        )
-        _check(
-            self.max_staleness_rounds >= 0,
-            "sync.max_staleness_rounds",
-            f"must be >= 0, got {self.max_staleness_rounds}",
-        )
-        _check(
-            0.0 < self.staleness_discount <= 1.0,
-            "sync.staleness_discount",
-            f"must be in (0, 1], got {self.staleness_discount}",
-        )
-        _check(
-            0.0 <= self.audit_share <= 64.0,
-            "sync.audit_share",
-            f"must be in [0, 64], got {self.audit_share}",
-        )
-        _check(
-            self.on_receive in ON_RECEIVE,
-            "sync.on_receive",
-            f"must be one of {ON_RECEIVE}, got {self.on_receive!r}",
-        )
-        _check(
-            0.0 <= self.mix_alpha <= 1.0,
-            "sync.mix_alpha",
-            f"must be in [0, 1], got {self.mix_alpha}",
-        )
+        _at_least(self, "sync.min_quorum", 1)
+        _within(self, "sync.min_token_fraction", "[0, 1]")
+        _at_least(self, "sync.overlap_steps", 0)
+        _within(self, "sync.grace_gamma", "[0, 1)")
+        _at_least(self, "sync.max_grace_s", 0)
+        _positive(self, "sync.round_deadline_s")
+        _at_least(self, "sync.max_staleness_rounds", 0)
+        _within(self, "sync.staleness_discount", "(0, 1]")
+        _within(self, "sync.audit_share", "[0, 64]")
+        _one_of(self, "sync.on_receive", ON_RECEIVE)
+        _within(self, "sync.mix_alpha", "[0, 1]")
 
 
 @dataclass(frozen=True)
@@ -349,24 +309,14 @@ class CompressConfig:
     """Add a lossless zstd stage on top of the codec."""
 
     def __post_init__(self) -> None:
-        _check(
-            self.codec in CODECS, "compress.codec", f"must be one of {CODECS}, got {self.codec!r}"
-        )
-        _check(
-            self.outer_codec in CODECS,
-            "compress.outer_codec",
-            f"must be one of {CODECS}, got {self.outer_codec!r}",
-        )
+        _one_of(self, "compress.codec", CODECS)
+        _one_of(self, "compress.outer_codec", CODECS)
         _check(
             2 <= self.block_size <= 1 << 20 and self.block_size % 2 == 0,
             "compress.block_size",
             f"must be even and in [2, 1048576], got {self.block_size}",
         )
-        _check(
-            0.0 < self.topk_fraction <= 1.0,
-            "compress.topk_fraction",
-            f"must be in (0, 1], got {self.topk_fraction}",
-        )
+        _within(self, "compress.topk_fraction", "(0, 1]")
 
 
 @dataclass(frozen=True)
@@ -403,27 +353,11 @@ class SimulateConfig:
     """Decoupled: seed of the schedule (start offsets, jitter)."""
 
     def __post_init__(self) -> None:
-        _check(
-            1 <= self.learners <= 256,
-            "simulate.learners",
-            f"must be in [1, 256], got {self.learners}",
-        )
-        _check(self.rounds >= 1, "simulate.rounds", f"must be >= 1, got {self.rounds}")
-        _check(
-            0.0 <= self.baseline_lr <= 1.0,
-            "simulate.baseline_lr",
-            f"must be in [0, 1] (0 = train.lr), got {self.baseline_lr}",
-        )
-        _check(
-            self.eval_batches >= 1,
-            "simulate.eval_batches",
-            f"must be >= 1, got {self.eval_batches}",
-        )
-        _check(
-            self.eval_every_rounds >= 1,
-            "simulate.eval_every_rounds",
-            f"must be >= 1, got {self.eval_every_rounds}",
-        )
+        _within(self, "simulate.learners", "[1, 256]")
+        _at_least(self, "simulate.rounds", 1)
+        _within(self, "simulate.baseline_lr", "[0, 1]", note="0 = train.lr")
+        _at_least(self, "simulate.eval_batches", 1)
+        _at_least(self, "simulate.eval_every_rounds", 1)
         _check(
             self.mode in SIMULATE_MODES,
             "simulate.mode",
@@ -436,13 +370,12 @@ class SimulateConfig:
         _check(
             bool(speeds) and all(0.0 < s < 1e6 for s in speeds),
             "simulate.speeds",
-            f"must be positive numbers separated by commas, e.g. \"1,1,0.5\", got {self.speeds!r}",
+            f'must be positive numbers separated by commas, e.g. "1,1,0.5", got {self.speeds!r}',
         )
-        _check(0.0 <= self.jitter < 1.0, "simulate.jitter", f"must be in [0, 1), got {self.jitter}")
-        _check(self.step_time_s > 0.0, "simulate.step_time_s", f"must be > 0, got {self.step_time_s}")
-        for name in ("link_s", "sync_s"):
-            value = getattr(self, name)
-            _check(value >= 0.0, f"simulate.{name}", f"must be >= 0, got {value}")
+        _within(self, "simulate.jitter", "[0, 1)")
+        _positive(self, "simulate.step_time_s")
+        _at_least(self, "simulate.link_s", 0)
+        _at_least(self, "simulate.sync_s", 0)
 
 
 CORRUPTIONS = ("", "nan", "garbage")
@@ -554,27 +487,19 @@ class PeerConfig:
             "peer.run",
             f"must be a plain name like 'community-150m', got {self.run!r}",
         )
-        _check(
-            self.startup_timeout_s > 0.0,
-            "peer.startup_timeout_s",
-            f"must be > 0, got {self.startup_timeout_s}",
-        )
-        _check(bool(self.host), "peer.host", "must not be empty")
-        _check(0 <= self.port <= 65535, "peer.port", f"must be in [0, 65535], got {self.port}")
-        _check(
-            0 <= self.metrics_port <= 65535,
-            "peer.metrics_port",
-            f"must be in [0, 65535] (0: no metrics), got {self.metrics_port}",
-        )
-        _check(bool(self.metrics_host), "peer.metrics_host", "must not be empty")
-        _check(
-            0.0 < self.heartbeat_s <= 75.0,
+        _positive(self, "peer.startup_timeout_s")
+        _not_empty(self, "peer.host")
+        _within(self, "peer.port", "[0, 65535]")
+        _within(self, "peer.metrics_port", "[0, 65535]", note="0: no metrics")
+        _not_empty(self, "peer.metrics_host")
+        _within(
+            self,
             "peer.heartbeat_s",
-            f"must be in (0, 75] (a heartbeat lives 4 periods, the DHT keeps it at most 300 s), "
-            f"got {self.heartbeat_s}",
+            "(0, 75]",
+            note="a heartbeat lives 4 periods, the DHT keeps it at most 300 s",
         )
-        _check(self.data_rank >= -1, "peer.data_rank", f"must be >= -1, got {self.data_rank}")
-        _check(self.data_shards >= 1, "peer.data_shards", f"must be >= 1, got {self.data_shards}")
+        _at_least(self, "peer.data_rank", -1)
+        _at_least(self, "peer.data_shards", 1)
         for name in (
             "wait_peers",
             "max_rounds",
@@ -584,22 +509,12 @@ class PeerConfig:
             "straggle_rounds",
             "corrupt_rounds",
             "split_view_rounds",
+            "wait_peers_timeout_s",
+            "straggle_s",
         ):
-            value = getattr(self, name)
-            _check(value >= 0, f"peer.{name}", f"must be >= 0, got {value}")
-        for name in ("wait_peers_timeout_s", "straggle_s"):
-            value = getattr(self, name)
-            _check(value >= 0.0, f"peer.{name}", f"must be >= 0, got {value}")
-        _check(
-            self.checkpoint_every_s > 0.0,
-            "peer.checkpoint_every_s",
-            f"must be > 0, got {self.checkpoint_every_s}",
-        )
-        _check(
-            self.corrupt in CORRUPTIONS,
-            "peer.corrupt",
-            f"must be one of {CORRUPTIONS}, got {self.corrupt!r}",
-        )
+            _at_least(self, f"peer.{name}", 0)
+        _positive(self, "peer.checkpoint_every_s")
+        _one_of(self, "peer.corrupt", CORRUPTIONS)
 
 
 @dataclass(frozen=True)
@@ -630,20 +545,15 @@ class ScreeningRules:
     at most this times the window's median weight."""
 
     def __post_init__(self) -> None:
-        checks = [
-            ("clip_factor", self.clip_factor >= 1.0, "must be >= 1"),
-            ("refuse_factor", self.refuse_factor >= 1.0, "must be >= 1"),
-            ("max_param_ratio", self.max_param_ratio > 0.0, "must be > 0"),
-            ("history_rounds", self.history_rounds >= 1, "must be >= 1"),
-            ("min_history", self.min_history >= 1, "must be >= 1"),
-            ("momentum_min_cosine", -1.0 <= self.momentum_min_cosine <= 1.0, "must be in [-1, 1]"),
-            ("loo_min_cosine", -1.0 <= self.loo_min_cosine <= 1.0, "must be in [-1, 1]"),
-            ("min_loo_peers", self.min_loo_peers >= 3, "must be >= 3"),
-            ("token_factor", self.token_factor >= 1.0, "must be >= 1"),
-        ]
-        for name, ok, rule in checks:
-            if not ok:  # NaN fails every comparison, so it lands here too
-                raise ConfigError(f"screening.{name} {rule}, got {getattr(self, name)}")
+        _at_least(self, "screening.clip_factor", 1)
+        _at_least(self, "screening.refuse_factor", 1)
+        _positive(self, "screening.max_param_ratio")
+        _at_least(self, "screening.history_rounds", 1)
+        _at_least(self, "screening.min_history", 1)
+        _within(self, "screening.momentum_min_cosine", "[-1, 1]")
+        _within(self, "screening.loo_min_cosine", "[-1, 1]")
+        _at_least(self, "screening.min_loo_peers", 3)
+        _at_least(self, "screening.token_factor", 1)
 
 
 @dataclass(frozen=True)
@@ -811,7 +721,15 @@ PER_PEER_FIELDS = {
 
 def config_hash(
     config: RunConfig,
-    sections: tuple[str, ...] = ("model", "train", "outer", "sync", "compress", "screening", "network"),
+    sections: tuple[str, ...] = (
+        "model",
+        "train",
+        "outer",
+        "sync",
+        "compress",
+        "screening",
+        "network",
+    ),
 ) -> str:
     """A short hash of what every peer of a run must agree on.
 

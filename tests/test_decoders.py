@@ -24,11 +24,12 @@ from p2pdiloco import compress, wire
 from p2pdiloco.compress import (
     CODECS,
     EncodedTensor,
-    codecs,
     decode_tensor,
     decode_tensors,
     make_codec,
 )
+from p2pdiloco.compress import zstd as zstd_stage
+from p2pdiloco.compress.topk import _TopkCodec
 from p2pdiloco.protocol.windows import RunningMean, Wait, WindowMachine, grace_window_s
 from p2pdiloco.wire import messages, updates
 
@@ -252,7 +253,7 @@ def test_a_shape_bomb_frame_is_refused_before_anything_is_allocated(
     assert len(frame) < 256
     msg = wire.decode_message(frame, LIMITS)
     assert isinstance(msg, wire.Message)  # the frame itself is well formed
-    forbid(monkeypatch, codecs._TopkCodec, "decode")
+    forbid(monkeypatch, _TopkCodec, "decode")
     start = time.perf_counter()
     refused = wire.decode_tensors(msg, {"w": (64, 64)})
     assert isinstance(refused, wire.Rejected) and "not the expected [64, 64]" in refused.reason
@@ -275,7 +276,7 @@ def test_a_zstd_bomb_is_refused_from_its_header_before_decompression(
             "nbytes": len(zeros),
         }
     ]
-    forbid(monkeypatch, codecs, "_bounded_decompress")
+    forbid(monkeypatch, zstd_stage, "_bounded_decompress")
     refused = wire.decode_message(raw_frame(header, zeros), LIMITS)
     assert isinstance(refused, wire.Rejected) and "MAX_ZSTD_RATIO" in refused.reason
 
