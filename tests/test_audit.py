@@ -37,8 +37,8 @@ ALWAYS = 64.0
 
 
 def auditing(node: Node, share: float) -> None:
-    node.replicas.auditor = Auditor(RUN, CONFIG, LIMITS, node.state.fragments)
-    node.replicas.audit_share = share
+    node.replicas.audits.auditor = Auditor(RUN, CONFIG, LIMITS, node.state.fragments)
+    node.replicas.audits.audit_share = share
 
 
 def lying(node: Node, factor: float = 10.0) -> None:
@@ -128,8 +128,8 @@ def test_a_false_merge_is_refused_proven_and_its_synchronizer_banned() -> None:
         verdicts = [e["verdict"] for e in audit_events(first)]
         assert MISMATCH in verdicts, first.events
         assert first.state.round_of(0) == 1 and first.state.fragment_hash(0) == honest_hash
-        assert liar.peer_id in first.replicas.banned
-        assert not first.replicas.may_synchronize(dataclasses.replace(next(iter(first.members().values())), peer_id=liar.peer_id))
+        assert liar.peer_id in first.replicas.entitlement.banned
+        assert not first.replicas.entitlement.may_synchronize(dataclasses.replace(next(iter(first.members().values())), peer_id=liar.peer_id))
         # ... and told the run, with a notice signed by the auditor
         notices = cluster.network._get(notices_key(RUN))
         (subkey, (raw, _)), = notices.items()
@@ -138,7 +138,7 @@ def test_a_false_merge_is_refused_proven_and_its_synchronizer_banned() -> None:
         # the peer that applied the lie checks the notice itself, then repairs
         assert second.state.round_of(0) == 2
         await second.replicas.check_notices()
-        assert liar.peer_id in second.replicas.banned
+        assert liar.peer_id in second.replicas.entitlement.banned
         assert second.state.round_of(0) == 1 and second.state.fragment_hash(0) == honest_hash, second.events[-6:]
         assert any(e.get("event") == "convicted" for e in second.events)
 
@@ -162,7 +162,7 @@ def test_a_false_notice_changes_nothing() -> None:
         # the reader is past round 0 and the accuser too: nobody holds the parent state,
         # so the notice is not verified and nothing happens
         assert reader.state.fragment_hash(0) == before
-        assert synchronizer.peer_id not in reader.replicas.banned
+        assert synchronizer.peer_id not in reader.replicas.entitlement.banned
 
     scenario(3, body)
 
@@ -175,7 +175,7 @@ def test_an_audit_with_a_tampered_record_is_a_mismatch_and_a_missing_contributio
         record = learners[0].replicas.committed(0, 0)
         contributions = synchronizer.sync.kept.get(0, 0)
         auditing(learners[0], ALWAYS)
-        auditor = learners[0].replicas.auditor
+        auditor = learners[0].replicas.audits.auditor
         chain = {}
         assert auditor.check(record, contributions, snapshot, chain).verdict == OK
         heavier = tuple((p, w * 1.5, t) for p, w, t in record.contributors)
@@ -206,7 +206,7 @@ def test_an_update_out_of_line_is_audited_by_everyone_even_with_no_sampling() ->
             assert MISMATCH in [e["verdict"] for e in audit_events(node)], [
                 (n.peer_id[-4:], e) for n in cluster.nodes.values() for e in n.events if e["event"] in ("audited", "convicted")
             ]
-            assert liar.peer_id in node.replicas.banned
+            assert liar.peer_id in node.replicas.entitlement.banned
             assert node.state.round_of(0) == 4 and node.state.fragment_hash(0) == honest_hash
 
     scenario(3, body)

@@ -113,17 +113,17 @@ def test_a_joiner_downloads_every_part_from_a_donor_over_the_transport() -> None
         for transport, sync in zip((donor_transport, joiner_transport), syncs, strict=True):
             await transport.start()
             await sync.start()
-        state = await syncs[1]._download_from(donor_transport.peer_id, 0, head=3)
+        state = await syncs[1].downloads.fetch(donor_transport.peer_id, 0, head=3)
         assert state is not None and state.round == 3
         assert joiner.import_verified(state) == donor.fragment_hash(0)
         assert syncs[1].bytes_received > 0
-        assert not syncs[0]._serving  # the donor's copy went with the last part
+        assert not syncs[0].server._serving  # the donor's copy went with the last part
         # a peer still at genesis has nothing to give: a refusal, not a hang
         fresh_transport = MemoryTransport(network)
         fresh = GlobalState({n: torch.zeros(s) for n, s in SHAPES.items()}, [NAMES], OuterConfig())
         await fresh_transport.start()
         await ReplicaSync(fresh_transport, RUN, fresh, dict, SMALL, worker, void_after_s=30.0).start()
-        assert await syncs[1]._download_from(fresh_transport.peer_id, 0, head=3) is None
+        assert await syncs[1].downloads.fetch(fresh_transport.peer_id, 0, head=3) is None
         worker.shutdown()
 
     asyncio.run(asyncio.wait_for(body(), 60))

@@ -235,6 +235,7 @@ class PeerDaemon:
             self.transport, options.run, state, self.members, self.limits, self.worker,
             void_after_s=config.sync.round_deadline_s, on_event=self.emit,
             rivals_visible=split.rivals_visible, admission=self.admission,
+            auditor=Auditor(options.run, config, self.limits, state.fragments),
             audit_share=config.sync.audit_share,
         )
         synchronizer = Synchronizer(
@@ -242,7 +243,6 @@ class PeerDaemon:
             self.worker, hook=self.hook, on_event=self.emit, rivals_visible=split.rivals_visible,
             certificates=self.certificates, screening_rules=config.screening,
         )
-        replicas.auditor = Auditor(options.run, config, self.limits, state.fragments)
         link = LearnerLink(self.transport, options.run, config.sync, replicas, role_view, self.limits)
         contribute = faulty_contribute(
             link.contribute, options.straggle_s, options.straggle_rounds, options.corrupt, options.corrupt_rounds

@@ -80,7 +80,7 @@ class LearnerLink:
     def candidates(self, round_id: int, fragment: int) -> list[str]:
         """Failover order of synchronizers for (round, fragment) in this peer's view."""
         return synchronizer_order(
-            self.run, round_id, fragment, synchronizer_candidates(self.members(), self.replicas.may_synchronize)
+            self.run, round_id, fragment, synchronizer_candidates(self.members(), self.replicas.entitlement.may_synchronize)
         )
 
     async def contribute(self, fragment: int, target_round: int, frame: bytes) -> Outcome:
@@ -141,7 +141,7 @@ class LearnerLink:
                     pending = [moved_to, *(p for p in pending if p != moved_to)]
                 continue
             record = open_record(self.run, reply.meta["record"]) if "record" in reply.meta else None
-            if record is not None and not self.replicas.entitled(record):
+            if record is not None and not self.replicas.entitlement.entitled(record):
                 record = None
             if status in (messages.MERGED, messages.LATE):
                 if record is not None and (record.round, record.fragment) == (target_round, fragment):

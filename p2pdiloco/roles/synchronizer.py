@@ -305,7 +305,7 @@ class Synchronizer:
 
     def _learner_refusal(self, caller: str) -> str | None:
         """Why the run does not admit `caller`'s contributions (None: it does)."""
-        admission = self.replicas.admission
+        admission = self.replicas.entitlement.admission
         if admission.learners == "open":
             return None
         beat = self.members().get(caller)
@@ -319,7 +319,7 @@ class Synchronizer:
         Peers a learner reported unreachable are skipped, so failover past a dead
         synchronizer whose heartbeat has not expired yet still finds a window here.
         """
-        candidates = set(synchronizer_candidates(self.members(), self.replicas.may_synchronize)) - unreachable
+        candidates = set(synchronizer_candidates(self.members(), self.replicas.entitlement.may_synchronize)) - unreachable
         candidates.add(self.peer_id)
         top = synchronizer_order(self.run, round_id, fragment, candidates)[0]
         return None if top == self.peer_id else top
@@ -338,7 +338,7 @@ class Synchronizer:
         parent = self.replicas.parent_hash(fragment, round_id)
         return any(
             r.round == round_id and r.parent == parent
-            for r in records_of(self.run, raw, fragment, self.replicas.entitled).values()
+            for r in records_of(self.run, raw, fragment, self.replicas.entitlement.entitled).values()
         )
 
     def _check_layout(self, fragment: int, msg: wire.Message) -> str | None:
