@@ -57,7 +57,7 @@ from p2pdiloco.outer.step import Params, pseudo_gradient, tensor_norm  # noqa: E
 from p2pdiloco.protocol.merge import max_tokens_per_step, merge_round  # noqa: E402
 from p2pdiloco.protocol.rounds import RoundRecord, open_record, seal_record  # noqa: E402
 from p2pdiloco.roles.state import GlobalState  # noqa: E402
-from p2pdiloco.sim.simulate import global_state_of, learner_streams, load_params  # noqa: E402
+from p2pdiloco.sim.common import global_state_of, learner_streams, load_params  # noqa: E402
 from p2pdiloco.training.data import Corpus, heldout_batches  # noqa: E402
 from p2pdiloco.training.model import build_model  # noqa: E402
 from p2pdiloco.training.train import InnerTrainer, evaluate  # noqa: E402

@@ -28,13 +28,8 @@ import time
 from pathlib import Path
 
 from p2pdiloco.config import RunConfig, load_config, replace
-from p2pdiloco.sim.simulate import (
-    DeltaChannel,
-    SimulationResult,
-    codec_channel,
-    fp32_channel,
-    simulate,
-)
+from p2pdiloco.sim.common import DeltaChannel, fp32_channel
+from p2pdiloco.sim.simulate import SimulationResult, codec_channel, simulate
 from p2pdiloco.training.data import Corpus
 
 QUICK = [
@@ -251,7 +246,7 @@ def main_simulation(config: RunConfig, corpus: Corpus, channel: DeltaChannel, jo
 
     import torch
 
-    from p2pdiloco.sim.simulate import LossCurve
+    from p2pdiloco.sim.common import LossCurve
 
     with ProcessPoolExecutor(1, get_context("spawn")) as pool:
         baseline = pool.submit(_baseline_worker, config)

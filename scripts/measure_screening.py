@@ -36,18 +36,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
 from p2pdiloco.config import load_config, replace  # noqa: E402
+from p2pdiloco.outer import screening  # noqa: E402
 from p2pdiloco.outer.step import (  # noqa: E402
     OuterState,
     Params,
     merge,
     outer_step,
     pseudo_gradient,
-    screening,  # noqa: E402
     tensor_norm,
     token_weights,
 )
 from p2pdiloco.protocol.fragments import partition_fragments  # noqa: E402
-from p2pdiloco.sim.simulate import global_state_of, learner_streams, load_params  # noqa: E402
+from p2pdiloco.sim.common import global_state_of, learner_streams, load_params  # noqa: E402
 from p2pdiloco.training.data import Corpus  # noqa: E402
 from p2pdiloco.training.model import build_model  # noqa: E402
 from p2pdiloco.training.train import InnerTrainer  # noqa: E402

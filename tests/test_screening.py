@@ -37,7 +37,7 @@ from p2pdiloco.outer.screening import (
     trimmed_mean,
 )
 from p2pdiloco.outer.step import OuterState, merge_mean, outer_step, pseudo_gradient, tensor_norm
-from p2pdiloco.sim.simulate import global_state_of, learner_streams, load_params
+from p2pdiloco.sim.common import global_state_of, learner_streams, load_params
 from p2pdiloco.training.model import build_model
 from p2pdiloco.training.train import InnerTrainer
 

@@ -11,8 +11,9 @@ runs the swarm's own code for everything but the network:
   folding a delta no round merged into the next one) on a `GlobalState` replica of its
   own, its deltas encoded into real CONTRIBUTION frames with the run's codec;
 - each window is the synchronizer's `WindowMachine` (quorum, grace, close, expire);
-- each merge is `merging.merge_round` (screening, token weights, the merge rule, the
-  outer codec), applied with `GlobalState.apply_update` to every replica.
+- each merge is `merge.merge_round` (screening, token weights, the merge rule, the
+  outer codec) through `common.CanonicalChain`, as in the lockstep simulator, applied
+  with `GlobalState.apply_update` to every replica.
 
 So a loss of computed steps in the learner shows in the simulator too (issue 26: the
 previous simulator resent late deltas to the next round, which the learner did not do).
@@ -24,10 +25,12 @@ failover, commit and rival records (a round either closes or not), bandwidth (a 
 from __future__ import annotations
 
 import copy
+import functools
 import heapq
 import itertools
 import logging
 import random
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -37,24 +40,24 @@ from p2pdiloco import compress, wire
 from p2pdiloco.config import RunConfig
 from p2pdiloco.outer.screening import Candidate, dot
 from p2pdiloco.outer.step import Params, tensor_norm
-from p2pdiloco.protocol.fragments import partition_fragments
-from p2pdiloco.protocol.merge import history_of, max_tokens_per_step, merge_round
-from p2pdiloco.protocol.rounds import RoundRecord
 from p2pdiloco.protocol.windows import Close, Wait, WindowMachine, overlap_steps_of
 from p2pdiloco.roles.learner import Learner
-from p2pdiloco.roles.state import GlobalState
-from p2pdiloco.sim.simulate import (
+from p2pdiloco.sim.common import (
+    SYNCHRONIZER,
+    CanonicalChain,
+    Committed,
     DeltaChannel,
     LossCurve,
     Progress,
-    _schedule_config,
     fp32_channel,
     global_state_of,
     learner_streams,
     load_params,
+    peer_id,
+    schedule_config,
 )
 from p2pdiloco.training.data import Corpus
-from p2pdiloco.training.model import build_model
+from p2pdiloco.training.model import Decoder, build_model
 from p2pdiloco.training.train import InnerTrainer, evaluate, resolve_device
 from p2pdiloco.wire.messages import LATE, MERGED, NO_QUORUM, REJECTED, Outcome
 
@@ -141,208 +144,242 @@ def run_decoupled(
     them than a slow one. Deltas go through the run's codec (`compress.codec`) as the
     learners encode them; `channel` is the lockstep simulator's and is not used here."""
     del channel
-    config = _schedule_config(config)
-    sim, sync, outer = config.simulate, config.sync, config.outer
-    device = resolve_device(config.train.device)
-    rng = random.Random(sim.seed)
-    base = build_model(config.model.preset, seed=config.train.seed, max_seq_len=config.model.seq_len)
-    global_params = global_state_of(base)
-    fragments = partition_fragments({n: t.numel() for n, t in global_params.items()}, sync.num_fragments)
-    reference = GlobalState(global_params, fragments, outer)
-    """The canonical replica: what the held-out loss is measured on."""
-    eval_model = copy.deepcopy(base).to(device)
-    streams = learner_streams(config, corpus, sim.learners)
-    queue: list[tuple[float, int, str, tuple]] = []
-    order = itertools.count()
-    clock = [0.0]
-    records: dict[tuple[int, int], frozenset[str]] = {}
-    chains: list[dict[int, RoundRecord]] = [{} for _ in fragments]
-    outer_codec = compress.make_codec_from_config(config.compress, outer=True)
-    token_cap = max_tokens_per_step(config)
-    overlap = overlap_steps_of(sync.overlap_steps, sync.inner_steps, sync.on_receive)
+    return DecoupledSwarm(config, corpus, eval_set, progress).run()
 
-    def schedule(at: float, kind: str, *payload) -> None:
-        heapq.heappush(queue, (at, next(order), kind, payload))
 
-    def submitter(i: int):
-        def submit(fragment: int, target_round: int, frame: bytes) -> Future:
-            future: Future = Future()
-            learners[i].bytes_sent += len(frame)
-            schedule(clock[0] + sim.link_s, "arrive", i, fragment, target_round, frame, future)
-            return future
+class DecoupledSwarm:
+    """The simulated swarm: its learners, the open windows, the canonical chain and the
+    event queue on the simulated clock. `run` takes events in time order; each kind of
+    event has a method (`on_step`, `on_arrive`, `on_check`, `on_result`, `on_reply`)."""
 
-        return submit
-
-    learners: list[SimLearner] = []
-    for i, speed in enumerate(learner_speeds(config)):
-        learner = Learner(
-            f"sim-{i}", RUN, config, InnerTrainer(copy.deepcopy(base), config.train, device), streams[i],
-            GlobalState(global_params, fragments, outer), submitter(i), [],
-            contributors_of=lambda f, r: records.get((f, r)),
+    def __init__(
+        self,
+        config: RunConfig,
+        corpus: Corpus,
+        eval_set: list[torch.Tensor],
+        progress: Progress | None,
+    ) -> None:
+        config = schedule_config(config)
+        sim, sync = config.simulate, config.sync
+        self.config, self.eval_set, self.progress = config, eval_set, progress
+        self.device = resolve_device(config.train.device)
+        self.rng = random.Random(sim.seed)
+        base = build_model(
+            config.model.preset, seed=config.train.seed, max_seq_len=config.model.seq_len
+        )
+        self.chain = CanonicalChain(config, global_state_of(base))
+        """The canonical replica: what the held-out loss is measured on."""
+        self.eval_model = copy.deepcopy(base).to(self.device)
+        self.queue: list[tuple[float, int, str, tuple]] = []
+        self.order = itertools.count()
+        self.now = 0.0
+        """The simulated clock: the time of the event being handled (s)."""
+        self.learners = self._start_learners(base, learner_streams(config, corpus, sim.learners))
+        self.windows: dict[int, SimWindow] = {}
+        """Fragment -> its open window (of the canonical chain's round)."""
+        self.previous: dict[int, Params] = {}
+        """Per fragment, the last merged update (for rho)."""
+        self.budget = sim.rounds * sync.inner_steps * len(self.learners)
+        self.steps_taken = 0
+        # the synchronizer's step-time estimate: the learners' mean (the peers average arrivals)
+        self.step_time_s = sum(x.step_time_s for x in self.learners) / len(self.learners)
+        self.overlap = overlap_steps_of(sync.overlap_steps, sync.inner_steps, sync.on_receive)
+        self.out = DecoupledRun(
+            curve=LossCurve(), tokens=0, bytes_per_learner=0, rounds=[],
+            merged=0, stale_merged=0, dropped=0, sim_time_s=0.0,
         )  # fmt: skip
-        learners.append(SimLearner(learner, sim.step_time_s / speed))
-    windows: dict[int, SimWindow] = {}
-    previous: dict[int, Params] = {}
-    """Per fragment, the last merged update (for rho)."""
-    rho: list[float] = []
-    total_steps = sim.rounds * sync.inner_steps
-    budget, steps_taken = total_steps * len(learners), 0
-    eval_times: list[float] = [0.0]
-    for i, sim_learner in enumerate(learners):
-        schedule(sim_learner.step_time_s * rng.uniform(0.0, 1.0), "step", i)
-    curve, tokens_total = LossCurve(), 0
-    merged = stale_merged = dropped = merged_steps = 0
-    curve.record(0, evaluate(eval_model, eval_set, device))
-    fresh = False
-    """A merge since the last evaluation."""
-    # the synchronizer's step-time estimate: the learners' mean (the peers average arrivals)
-    step_time = sum(x.step_time_s for x in learners) / len(learners)
+        self.fresh = False
+        """A merge since the last evaluation."""
 
-    def reply(at: float, future: Future, status: str, fragment: int, round_id: int) -> None:
-        schedule(at, "reply", future, Outcome(status, round_id, fragment, "simulated"))
+    def _start_learners(
+        self, base: Decoder, streams: list[Iterator[torch.Tensor]]
+    ) -> list[SimLearner]:
+        """One real `Learner` per stream, on a replica of its own, at its own speed."""
+        config = self.config
+        learners = []
+        for i, speed in enumerate(learner_speeds(config)):
+            learner = Learner(
+                peer_id(i), RUN, config, InnerTrainer(copy.deepcopy(base), config.train, self.device),
+                streams[i], self.chain.replica(), functools.partial(self.submit, i), [],
+                contributors_of=self.chain.contributors,
+            )  # fmt: skip
+            learners.append(SimLearner(learner, config.simulate.step_time_s / speed))
+        return learners
 
-    def deliver(i: int, fragment: int, target_round: int, frame: bytes, future: Future, now: float) -> None:
+    def schedule(self, at: float, kind: str, *payload: object) -> None:
+        heapq.heappush(self.queue, (at, next(self.order), kind, payload))
+
+    def run(self) -> DecoupledRun:
+        """Replay the schedule until the step budget is spent and every event is handled."""
+        for i, sim_learner in enumerate(self.learners):
+            self.schedule(sim_learner.step_time_s * self.rng.uniform(0.0, 1.0), "step", i)
+        self.record_loss()
+        handlers = {
+            "step": self.on_step, "arrive": self.on_arrive, "check": self.on_check,
+            "result": self.on_result, "reply": self.on_reply,
+        }  # fmt: skip
+        while self.queue:
+            self.now, _, kind, payload = heapq.heappop(self.queue)
+            handlers[kind](*payload)
+        if self.fresh:  # the final point is the model after the last merge
+            self.record_loss()
+        return self.summary()
+
+    # --- every step: a learner takes one inner step, maybe ships ----------------------
+
+    def on_step(self, i: int) -> None:
+        if self.steps_taken >= self.budget:
+            return
+        self.steps_taken += 1
+        sim_learner = self.learners[i]
+        learner = sim_learner.learner
+        before = learner.progress.tokens
+        learner.run_step(self.config.sync.warm_steps)
+        learner.send_staged()  # encoded within the step: the schedule stays deterministic
+        self.out.tokens += learner.progress.tokens - before
+        if self.steps_taken < self.budget:
+            jitter = 1.0 + self.config.simulate.jitter * self.rng.uniform(-1.0, 1.0)
+            self.schedule(self.now + sim_learner.step_time_s * jitter, "step", i)
+        if self.progress:
+            self.progress("decoupled steps", self.steps_taken, self.budget)
+
+    def submit(self, i: int, fragment: int, target_round: int, frame: bytes) -> Future:
+        """Learner `i` sends a CONTRIBUTION frame: it arrives one link later."""
+        future: Future = Future()
+        self.learners[i].bytes_sent += len(frame)
+        arrive_at = self.now + self.config.simulate.link_s
+        self.schedule(arrive_at, "arrive", i, fragment, target_round, frame, future)
+        return future
+
+    # --- a delta arrives: into its window, or late ------------------------------------
+
+    def on_arrive(
+        self, i: int, fragment: int, target_round: int, frame: bytes, future: Future
+    ) -> None:
         """A delta reaches the synchronizer of its target round: late if that closed."""
-        nonlocal dropped
+        sync, now = self.config.sync, self.now
         message = wire.decode_message(frame, LIMITS)
         assert isinstance(message, wire.Message), message
-        if target_round != reference.round_of(fragment):
-            dropped += 1
-            reply(now + sim.link_s, future, LATE, fragment, target_round)
+        if target_round != self.chain.state.round_of(fragment):
+            self.out.dropped += 1
+            self.reply(now + self.config.simulate.link_s, future, LATE, fragment, target_round)
             return
-        window = windows.get(fragment)
+        window = self.windows.get(fragment)
         if window is None:
             machine = WindowMachine(
                 round=target_round, fragment=fragment, opened_at=now,
                 deadline_s=sync.round_deadline_s, min_quorum=sync.min_quorum,
                 min_token_fraction=sync.min_token_fraction,
             )  # fmt: skip
-            window = windows[fragment] = SimWindow(machine)
+            window = self.windows[fragment] = SimWindow(machine)
         meta = message.meta
-        refused = window.machine.accept(f"sim-{i}", meta["tokens"], meta["steps"], meta["step_time_s"], now)
+        refused = window.machine.accept(
+            peer_id(i), meta["tokens"], meta["steps"], meta["step_time_s"], now
+        )
         if refused is not None:
-            dropped += 1
-            reply(now + sim.link_s, future, LATE, fragment, target_round)
+            self.out.dropped += 1
+            self.reply(now + self.config.simulate.link_s, future, LATE, fragment, target_round)
             return
         delta = compress.decode_tensors(message.tensors)
         staleness = target_round - meta["base_round"]
-        window.arrivals[i] = (Candidate(f"sim-{i}", delta, meta["tokens"], meta["steps"], staleness), future)
-        check(fragment, now)
+        window.arrivals[i] = (
+            Candidate(peer_id(i), delta, meta["tokens"], meta["steps"], staleness),
+            future,
+        )
+        self.on_check(fragment)
 
-    def check(fragment: int, now: float) -> None:
-        nonlocal merged, stale_merged, dropped, merged_steps, fresh
-        window = windows.get(fragment)
+    # --- a window's deadline: wait on, merge, or give up --------------------------------
+
+    def on_check(self, fragment: int) -> None:
+        window = self.windows.get(fragment)
         if window is None:
             return
+        sim, sync = self.config.simulate, self.config.sync
         action = window.machine.next_action(
-            now, expected={f"sim-{i}" for i in range(len(learners))}, better_placed=None,
-            step_time_s=step_time, sync_time_s=sim.sync_s, overlap_steps=overlap,
+            self.now, expected={peer_id(i) for i in range(len(self.learners))}, better_placed=None,
+            step_time_s=self.step_time_s, sync_time_s=sim.sync_s, overlap_steps=self.overlap,
             gamma=sync.grace_gamma, max_grace_s=sync.max_grace_s,
         )  # fmt: skip
         if isinstance(action, Wait):
-            schedule(action.until, "check", fragment)
+            self.schedule(action.until, "check", fragment)
             return
-        del windows[fragment]
-        round_id = window.machine.round
-        done_at = now + sim.sync_s + sim.link_s
-        result = None
+        del self.windows[fragment]
+        committed = None
         if isinstance(action, Close):
-            snapshot = reference.export_fragment(fragment)
-            history, first = history_of(chains[fragment], round_id, config.screening.history_rounds)
-            result = merge_round(
-                [candidate for candidate, _ in window.arrivals.values()], history=history,
-                params=snapshot.params, momentum=snapshot.momentum, outer=outer, sync=sync,
-                rules=config.screening, max_tokens_per_step=token_cap, outer_codec=outer_codec,
-            )  # fmt: skip
-        kept = {v.peer: v for v in result.screening.kept} if result is not None else {}
-        if result is None or result.decoded is None or len(kept) < sync.min_quorum:
-            dropped += len(window.arrivals)
+            candidates = [candidate for candidate, _ in window.arrivals.values()]
+            committed = self.chain.merge(fragment, candidates, sync.min_quorum)
+        if committed is None:
+            self.out.dropped += len(window.arrivals)
             for _candidate, future in window.arrivals.values():
-                reply(now + sim.link_s, future, NO_QUORUM, fragment, round_id)
+                self.reply(self.now + sim.link_s, future, NO_QUORUM, fragment, window.machine.round)
             return
-        update = result.decoded
-        reference.apply_update(fragment, round_id, update)
-        records[(fragment, round_id)] = frozenset(kept)
-        chains[fragment][round_id] = RoundRecord(
-            round_id, fragment, "simulated", reference.fragment_hash(fragment),
-            contributors=tuple((v.peer, float(v.weight), v.tokens) for v in kept.values()),
-            norms=tuple(v.merged_norm for v in kept.values()),
-        )  # fmt: skip
-        for j in range(len(learners)):  # every replica applies the same update
-            schedule(done_at, "result", j, fragment, round_id, update)
+        self.commit(fragment, window, committed)
+
+    def commit(self, fragment: int, window: SimWindow, committed: Committed) -> None:
+        """A window merged: its result to every replica, its replies to its learners."""
+        sim, round_id, update = self.config.simulate, committed.round_id, committed.update
+        done_at = self.now + sim.sync_s + sim.link_s
+        for j in range(len(self.learners)):  # every replica applies the same update
+            self.schedule(done_at, "result", j, fragment, round_id, update)
         for candidate, future in window.arrivals.values():
-            if candidate.peer in kept:
-                merged += 1
-                merged_steps += candidate.steps
-                stale_merged += int(candidate.staleness > 0)
-                reply(done_at, future, MERGED, fragment, round_id)
+            if candidate.peer in committed.kept:
+                self.out.merged += 1
+                self.out.merged_steps += candidate.steps
+                self.out.stale_merged += int(candidate.staleness > 0)
+                self.reply(done_at, future, MERGED, fragment, round_id)
             else:
-                dropped += 1
-                reply(done_at, future, REJECTED, fragment, round_id)
-        if fragment in previous:
-            rho.append(cosine(update, previous[fragment]))
-        previous[fragment] = {n: t.clone() for n, t in update.items()}
-        if fragment == 0 and reference.round_of(0) % sim.eval_every_rounds == 0:  # as a learner does
-            load_params(eval_model, reference.params)
-            curve.record(tokens_total, evaluate(eval_model, eval_set, device))
-            eval_times.append(now)
+                self.out.dropped += 1
+                self.reply(done_at, future, REJECTED, fragment, round_id)
+        if fragment in self.previous:
+            self.out.rho.append(cosine(update, self.previous[fragment]))
+        self.previous[fragment] = {n: t.clone() for n, t in update.items()}
+        # as a learner does: a point of the curve every `eval_every_rounds` of fragment 0
+        if fragment == 0 and self.chain.state.round_of(0) % sim.eval_every_rounds == 0:
+            self.record_loss()
             log.info(
                 "decoupled t=%.1f tokens=%d rounds=%s eval_loss=%.4f",
-                now, tokens_total, reference.rounds, curve.eval_loss[-1],
+                self.now, self.out.tokens, self.chain.state.rounds, self.out.curve.eval_loss[-1],
             )  # fmt: skip
-            fresh = False
         else:
-            fresh = True
+            self.fresh = True
 
-    now = 0.0
-    while queue:
-        now, _, kind, payload = heapq.heappop(queue)
-        clock[0] = now
-        if kind == "check":
-            check(payload[0], now)
-        elif kind == "arrive":
-            deliver(*payload, now)
-        elif kind == "reply":
-            future, outcome = payload
-            future.set_result(outcome)
-        elif kind == "result":
-            j, fragment, round_id, update = payload
-            learner = learners[j].learner
-            learner.state.apply_update(fragment, round_id, update)
-            # a step event is a step boundary: the loop takes results over there, so the
-            # next step starts from them (as a lockstep learner's would)
-            learner.collect_outcomes()
-            learner.take_over_updates()
-        elif kind == "step":
-            i = payload[0]
-            if steps_taken >= budget:
-                continue
-            steps_taken += 1
-            learner = learners[i].learner
-            before = learner.progress.tokens
-            learner.run_step(sync.warm_steps)
-            learner.send_staged()  # encoded within the step: the schedule stays deterministic
-            tokens_total += learner.progress.tokens - before
-            if steps_taken < budget:
-                jitter = 1.0 + sim.jitter * rng.uniform(-1.0, 1.0)
-                schedule(now + learners[i].step_time_s * jitter, "step", i)
-            if progress:
-                progress("decoupled steps", steps_taken, budget)
-    if fresh:  # the final point is the model after the last merge
-        load_params(eval_model, reference.params)
-        curve.record(tokens_total, evaluate(eval_model, eval_set, device))
-        eval_times.append(now)
-    lost: dict[str, int] = {}
-    for x in learners:
-        x.learner.encoder.shutdown(wait=True)
-        for reason, count in x.learner.progress.lost_steps.items():
-            lost[reason] = lost.get(reason, 0) + count
-    return DecoupledRun(
-        curve=curve, tokens=tokens_total,
-        bytes_per_learner=sum(x.bytes_sent for x in learners) // len(learners),
-        rounds=list(reference.rounds), merged=merged, stale_merged=stale_merged, dropped=dropped,
-        sim_time_s=now, steps=[x.learner.progress.step for x in learners], eval_times_s=eval_times,
-        rho=rho, merged_steps=merged_steps,
-        local_steps=sum(ledger.steps for x in learners for ledger in x.learner.ledgers),
-        lost_steps=lost,
-    )  # fmt: skip
+    # --- a result arrives: a learner's replica applies it -------------------------------
+
+    def on_result(self, j: int, fragment: int, round_id: int, update: Params) -> None:
+        learner = self.learners[j].learner
+        learner.state.apply_update(fragment, round_id, update)
+        # a step event is a step boundary: the loop takes results over there, so the
+        # next step starts from them (as a lockstep learner's would)
+        learner.collect_outcomes()
+        learner.take_over_updates()
+
+    def reply(self, at: float, future: Future, status: str, fragment: int, round_id: int) -> None:
+        self.schedule(at, "reply", future, Outcome(status, round_id, fragment, SYNCHRONIZER))
+
+    def on_reply(self, future: Future, outcome: Outcome) -> None:
+        future.set_result(outcome)
+
+    # --- measure and sum up -------------------------------------------------------------
+
+    def record_loss(self) -> None:
+        """A point of the loss curve: the canonical replica's held-out loss, now."""
+        load_params(self.eval_model, self.chain.state.params)
+        self.out.curve.record(
+            self.out.tokens, evaluate(self.eval_model, self.eval_set, self.device)
+        )
+        self.out.eval_times_s.append(self.now)
+        self.fresh = False
+
+    def summary(self) -> DecoupledRun:
+        """The run's figures, once every learner's encoder has finished."""
+        out, learners = self.out, self.learners
+        for x in learners:
+            x.learner.encoder.shutdown(wait=True)
+            for reason, count in x.learner.progress.lost_steps.items():
+                out.lost_steps[reason] = out.lost_steps.get(reason, 0) + count
+        out.bytes_per_learner = sum(x.bytes_sent for x in learners) // len(learners)
+        out.rounds = list(self.chain.state.rounds)
+        out.sim_time_s = self.now
+        out.steps = [x.learner.progress.step for x in learners]
+        out.local_steps = sum(ledger.steps for x in learners for ledger in x.learner.ledgers)
+        return out

@@ -1,54 +1,43 @@
 """In-process DiLoCo simulator and its synchronous data-parallel baseline.
 
 M learners run round-robin in one process: each round every learner starts from the
-global parameters, takes H inner steps on its own shard, and sends its delta; the deltas
-are merged with the configured rule and one outer Nesterov step is applied. The baseline
-averages gradients of the same M micro-batches every step (the same tokens, the same
-compute), which is what synchronous data parallel on M workers does.
+global parameters, takes H inner steps on its own shard, and sends its delta; each
+fragment's deltas are merged as the swarm merges a window (`common.CanonicalChain`:
+screening, token weights, the merge rule, the outer codec) and one outer Nesterov step is
+applied. The baseline averages gradients of the same M micro-batches every step (the same
+tokens, the same compute), which is what synchronous data parallel on M workers does.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 from p2pdiloco.config import RunConfig, replace
-from p2pdiloco.outer.step import (
-    OuterState,
-    Params,
-    merge,
-    outer_step,
-    pseudo_gradient,
-    token_weights,
+from p2pdiloco.outer.screening import Candidate
+from p2pdiloco.outer.step import Params, pseudo_gradient
+from p2pdiloco.sim.common import (
+    CanonicalChain,
+    DeltaChannel,
+    LossCurve,
+    Progress,
+    fp32_channel,
+    global_state_of,
+    learner_streams,
+    load_params,
+    peer_id,
+    schedule_config,
 )
-from p2pdiloco.training.data import Corpus, heldout_batches, learner_batches
-from p2pdiloco.training.model import Decoder, build_model, count_parameters
+from p2pdiloco.sim.decoupled import run_decoupled
+from p2pdiloco.training.data import Corpus, heldout_batches
+from p2pdiloco.training.model import build_model, count_parameters
 from p2pdiloco.training.train import InnerTrainer, evaluate, resolve_device
 
 log = logging.getLogger(__name__)
-
-DeltaChannel = Callable[[int, Params], tuple[Params, int]]
-"""What a delta goes through on its way to the merge: (learner, delta) -> (received delta,
-bytes sent). The default sends fp32 as it is; the codecs plug in here."""
-
-Progress = Callable[[str, int, int], None]
-"""Progress callback: (phase, done, total)."""
-
-
-@dataclass
-class LossCurve:
-    """Held-out loss of one run against the tokens it has processed so far (all learners)."""
-
-    tokens: list[int] = field(default_factory=list)
-    eval_loss: list[float] = field(default_factory=list)
-
-    def record(self, tokens: int, loss: float) -> None:
-        self.tokens.append(tokens)
-        self.eval_loss.append(loss)
 
 
 @dataclass
@@ -84,11 +73,6 @@ class SimulationResult:
         return self.sync_bytes_per_learner / max(self.diloco_bytes_per_learner, 1)
 
 
-def fp32_channel(_learner: int, delta: Params) -> tuple[Params, int]:
-    """Send a delta uncompressed: 4 bytes per parameter."""
-    return delta, sum(t.numel() * 4 for t in delta.values())
-
-
 def codec_channel(config: RunConfig, codec_name: str) -> DeltaChannel:
     """Send each delta through a codec, with per-learner error feedback when the run asks.
 
@@ -112,36 +96,6 @@ def codec_channel(config: RunConfig, codec_name: str) -> DeltaChannel:
     return channel
 
 
-def global_state_of(model: Decoder) -> Params:
-    """The global parameters as fp32 CPU tensors (a copy)."""
-    return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}
-
-
-@torch.no_grad()
-def load_params(model: Decoder, params: Params) -> None:
-    """Overwrite a replica's parameters with `params` (the paper's on-receive rule)."""
-    for name, p in model.named_parameters():
-        if name in params:
-            p.copy_(params[name].to(p.device, p.dtype))
-
-
-def learner_streams(config: RunConfig, corpus: Corpus, num_learners: int) -> list:
-    """One batch stream per simulated learner: its own shard, its own order."""
-    train, seq_len = config.train, config.model.seq_len
-    return [
-        learner_batches(corpus, rank, num_learners, train.batch_size, seq_len, train.seed)
-        for rank in range(num_learners)
-    ]
-
-
-def _schedule_config(config: RunConfig) -> RunConfig:
-    # The cosine schedule spans the whole simulated run, for both DiLoCo and the baseline.
-    total = config.simulate.rounds * config.sync.inner_steps
-    return replace(
-        config, train={"total_steps": total, "warmup_steps": min(config.train.warmup_steps, total)}
-    )
-
-
 def round_lengths(config: RunConfig) -> list[int]:
     """Inner steps of each lockstep round: the warm start's short rounds, then H steps each,
     as `fragments_due` schedules them, within `simulate.rounds * H` steps in all."""
@@ -162,68 +116,77 @@ def run_diloco(
     progress: Progress | None = None,
 ) -> tuple[LossCurve, int, int]:
     """Simulated DiLoCo. Returns (loss curve, tokens processed, bytes sent per learner)."""
-    config = _schedule_config(config)
+    config = schedule_config(config)
     device = resolve_device(config.train.device)
     num_learners = config.simulate.learners
     base = build_model(
         config.model.preset, seed=config.train.seed, max_seq_len=config.model.seq_len
     )
-    global_params = global_state_of(base)
+    chain = CanonicalChain(config, global_state_of(base))
     eval_model = copy.deepcopy(base).to(device)
     trainers = [
         InnerTrainer(copy.deepcopy(base), config.train, device) for _ in range(num_learners)
     ]
     streams = learner_streams(config, corpus, num_learners)
-    outer_state = OuterState()
-    embedding_names = frozenset(n for n in global_params if n.startswith("embed."))
+    # every delta reaches every window: a quorum above M would never close one
+    quorum = min(config.sync.min_quorum, num_learners)
     curve, tokens_total, bytes_sent = LossCurve(), 0, 0
     curve.record(0, evaluate(eval_model, eval_set, device))
     lengths = round_lengths(config)
     for round_index, steps in enumerate(lengths):
-        deltas, c_tokens, c_steps = [], [], []
+        candidates = []
         for rank, trainer in enumerate(trainers):
-            # a result arrived: overwrite the replica with the global parameters
-            load_params(trainer.model, global_params)
-            learner_tokens = 0
-            for _ in range(steps):
-                learner_tokens += trainer.step(streams[rank]).tokens
-            delta, sent = channel(
-                rank, pseudo_gradient(global_params, dict(trainer.model.named_parameters()))
+            candidate, sent = _inner_round(
+                rank, trainer, streams[rank], chain.state.params, steps, channel
             )
-            deltas.append(delta)
-            c_tokens.append(learner_tokens)
-            c_steps.append(steps)
-            tokens_total += learner_tokens
+            candidates.append(candidate)
+            tokens_total += candidate.tokens
             bytes_sent += sent
-        weights = token_weights(c_tokens, c_steps, max_share=config.outer.max_weight_share)
-        merged = merge(
-            config.outer.merge,
-            deltas,
-            weights,
-            norm=config.outer.radial_norm,
-            plain_mean_names=embedding_names,
-        )
-        outer_step(
-            global_params,
-            merged,
-            outer_state,
-            lr=config.outer.lr,
-            momentum=config.outer.momentum,
-            nesterov=config.outer.nesterov,
-            delayed_every=config.outer.delayed_nesterov_every,
-        )
-        if (round_index + 1) % config.simulate.eval_every_rounds == 0 or round_index + 1 == len(lengths):
-            load_params(eval_model, global_params)
+        _merge_every_fragment(chain, candidates, quorum)
+        done = round_index + 1
+        if done % config.simulate.eval_every_rounds == 0 or done == len(lengths):
+            load_params(eval_model, chain.state.params)
             curve.record(tokens_total, evaluate(eval_model, eval_set, device))
             log.info(
-                "diloco round=%d tokens=%d eval_loss=%.4f",
-                round_index + 1,
-                tokens_total,
-                curve.eval_loss[-1],
+                "diloco round=%d tokens=%d eval_loss=%.4f", done, tokens_total, curve.eval_loss[-1]
             )
         if progress:
-            progress("diloco", round_index + 1, len(lengths))
+            progress("diloco", done, len(lengths))
     return curve, tokens_total, bytes_sent // num_learners
+
+
+def _inner_round(
+    rank: int,
+    trainer: InnerTrainer,
+    batches: Iterator[torch.Tensor],
+    global_params: Params,
+    steps: int,
+    channel: DeltaChannel,
+) -> tuple[Candidate, int]:
+    """One learner's round: `steps` inner steps from the global parameters, then its delta
+    through the channel. Returns (its contribution as received, bytes it sent)."""
+    # a result arrived: overwrite the replica with the global parameters
+    load_params(trainer.model, global_params)
+    tokens = 0
+    for _ in range(steps):
+        tokens += trainer.step(batches).tokens
+    delta, sent = channel(
+        rank, pseudo_gradient(global_params, dict(trainer.model.named_parameters()))
+    )
+    return Candidate(peer_id(rank), delta, tokens, steps), sent
+
+
+def _merge_every_fragment(chain: CanonicalChain, candidates: list[Candidate], quorum: int) -> None:
+    """Lockstep: every fragment's window holds every learner's part of it, and merges."""
+    for fragment, names in enumerate(chain.fragments):
+        window = [
+            Candidate(c.peer, {n: c.delta[n] for n in names}, c.tokens, c.steps) for c in candidates
+        ]
+        if chain.merge(fragment, window, quorum) is None:
+            log.warning(
+                "diloco no quorum round=%d fragment=%d: the screening kept fewer than %d deltas",
+                chain.state.round_of(fragment), fragment, quorum,
+            )  # fmt: skip
 
 
 def run_sync_baseline(
@@ -234,7 +197,7 @@ def run_sync_baseline(
     progress: Progress | None = None,
 ) -> tuple[LossCurve, int, int]:
     """Synchronous data parallel on the same micro-batches. Returns (curve, tokens, bytes/learner)."""
-    config = _schedule_config(config)
+    config = schedule_config(config)
     device = resolve_device(config.train.device)
     num_learners, steps_per_round = config.simulate.learners, config.sync.inner_steps
     model = build_model(
@@ -297,8 +260,6 @@ def simulate(
     eval_set = _eval_set(config, corpus)
     schedule = None
     if config.simulate.mode == "decoupled":
-        from p2pdiloco.sim.decoupled import run_decoupled  # builds on this module
-
         run = run_decoupled(config, corpus, eval_set, channel=channel, progress=progress)
         diloco, tokens, diloco_bytes = run.curve, run.tokens, run.bytes_per_learner
         schedule = {
