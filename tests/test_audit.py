@@ -43,24 +43,23 @@ def auditing(node: Node, share: float) -> None:
 
 def lying(node: Node, factor: float = 10.0) -> None:
     """Make `node`'s synchronizer publish `factor` times the merge it computed."""
-    honest = node.sync._merge
+    honest = node.sync.committer._merge
 
     def merge(window, grace_s):
-        result, advanced, update, norm, first = honest(window, grace_s)
-        if update is None:
-            return result, advanced, update, norm, first
-        m = window.machine
-        forged = {n: t * factor for n, t in result.decoded.items()}
-        encoded = {n: node.sync.outer_codec.encode(t) for n, t in forged.items()}
+        merged = honest(window, grace_s)
+        if merged.update is None:
+            return merged
+        forged = {n: t * factor for n, t in merged.result.decoded.items()}
+        encoded = {n: node.sync.committer.outer_codec.encode(t) for n, t in forged.items()}
         decoded = {n: compress.decode_tensor(e) for n, e in encoded.items()}
-        advanced = outer_update(node.state.export_fragment(m.fragment), decoded, node.state.outer)
+        advanced = outer_update(node.state.export_fragment(window.fragment), decoded, node.state.outer)
         forged_update = new_update(
-            RUN, m.round, m.fragment, node.peer_id, update.parent, advanced.hash,
-            list(update.contributors), encoded, grace_s,
+            RUN, window.round, window.fragment, node.peer_id, merged.update.parent, advanced.hash,
+            list(merged.update.contributors), encoded, grace_s,
         )
-        return result, advanced, forged_update, tensor_norm(decoded), first
+        return dataclasses.replace(merged, advanced=advanced, update=forged_update, norm=tensor_norm(decoded))
 
-    node.sync._merge = merge
+    node.sync.committer._merge = merge
 
 
 def roles(cluster: Cluster, round_id: int) -> tuple[Node, list[Node]]:

@@ -18,6 +18,7 @@ import torch
 
 from p2pdiloco import compress, wire
 from p2pdiloco.config import RunConfig, replace
+from p2pdiloco.peer.faults import hook_steps
 from p2pdiloco.protocol.election import synchronizer_order
 from p2pdiloco.protocol.membership import Heartbeat
 from p2pdiloco.protocol.rounds import RoundRecord, canonical_chain, records_of, rounds_key
@@ -145,8 +146,9 @@ class Node:
         self.replicas.on_committed.append(lambda f, r, record: self.notified.append((f, r, record)))
         self.sync = Synchronizer(
             self.transport, RUN, CONFIG, self.state, self.members, LIMITS, self.replicas,
-            self.worker, hook=self.hook, on_event=self.events.append,
+            self.worker, on_event=self.events.append,
         )
+        hook_steps(self.sync.committer, self.hook)
         self.link = LearnerLink(self.transport, RUN, CONFIG.sync, self.replicas, self.members, LIMITS)
 
     def members(self) -> dict[str, Heartbeat]:
@@ -225,7 +227,7 @@ def scenario(count: int, body: Callable[[Cluster], Awaitable[None]]) -> None:
             await asyncio.wait_for(body(cluster), SCENARIO_TIMEOUT_S)
         finally:
             for node in cluster.nodes.values():
-                for task in list(node.sync._tasks):
+                for task in list(node.sync._tasks) + list(node.sync.committer.tasks):
                     task.cancel()
             await asyncio.sleep(0)
             cluster.close()

@@ -34,7 +34,7 @@ from p2pdiloco.peer.addressbook import (
 )
 from p2pdiloco.peer.checkpoint import load_learner, save_learner
 from p2pdiloco.peer.clock import check_clock_at_join
-from p2pdiloco.peer.faults import SplitView, crash_hook, faulty_contribute
+from p2pdiloco.peer.faults import SplitView, crash_hook, faulty_contribute, hook_steps
 from p2pdiloco.peer.heap import heap_free_bytes
 from p2pdiloco.peer.metrics import MetricsServer, PeerMetrics, Totals
 from p2pdiloco.protocol.fragments import frame_problem, partition_fragments
@@ -240,9 +240,11 @@ class PeerDaemon:
         )
         synchronizer = Synchronizer(
             self.transport, options.run, config, state, role_view, self.limits, replicas,
-            self.worker, hook=self.hook, on_event=self.emit, rivals_visible=split.rivals_visible,
+            self.worker, on_event=self.emit, rivals_visible=split.rivals_visible,
             certificates=self.certificates, screening_rules=config.screening,
         )
+        if self.hook is not None:
+            hook_steps(synchronizer.committer, self.hook)
         link = LearnerLink(self.transport, options.run, config.sync, replicas, role_view, self.limits)
         contribute = faulty_contribute(
             link.contribute, options.straggle_s, options.straggle_rounds, options.corrupt, options.corrupt_rounds

@@ -1,10 +1,10 @@
 """Fault injection for tests and benchmarks, wrapped around the production path.
 
 Nothing here runs unless asked for (`join --crash-at`, `P2PDILOCO_CRASH_AT`,
-`--straggle-s`, `--corrupt`): the daemon passes these wrappers in place of the
-no-op hook and the plain `submit`.
+`--straggle-s`, `--corrupt`): the daemon wraps the commit's steps (`hook_steps`) and
+the plain `submit` only then; production code knows of no hook.
 
-Crash points of a synchronizer's commit (see `synchronizer` and docs/protocol.md):
+Crash points of a synchronizer's commit (the steps of `roles.commit`, docs/protocol.md):
 `after_quorum`, `during_merge`, `after_hold` (update held, no record yet),
 `after_record` (committed, nobody answered), `after_first_reply`.
 """
@@ -15,10 +15,13 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from p2pdiloco import compress, wire
-from p2pdiloco.roles.synchronizer import Hook, no_hook
+from p2pdiloco.roles.commit import Committer
+
+Hook = Callable[[str, int, int], Awaitable[None]]
+"""`await hook(phase, round, fragment)` at each phase of a commit."""
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +51,44 @@ def die_now() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def crash_hook(spec: str, on_event=lambda event: None) -> Hook:
-    """A commit hook that kills this process at the named phase (or the production no-op)."""
+def hook_steps(committer: Committer, hook: Hook) -> None:
+    """Make `committer` await `hook(phase, round, fragment)` between the steps of each
+    commit: before the merge, while it runs, after the hold, after the record, after
+    the first answer."""
+    merge, hold, publish, answer_first = committer.merge, committer.hold, committer.publish, committer.answer_first
+
+    async def merging(window, grace_s):
+        await hook("after_quorum", window.round, window.fragment)
+        running = asyncio.ensure_future(merge(window, grace_s))
+        await asyncio.sleep(0)  # the merge is on the worker thread now
+        await hook("during_merge", window.round, window.fragment)
+        return await running
+
+    async def holding(update):
+        holders = await hold(update)
+        if holders is not None:
+            await hook("after_hold", update.round, update.fragment)
+        return holders
+
+    async def publishing(window, merged, record):
+        failure = await publish(window, merged, record)
+        if not failure:
+            await hook("after_record", window.round, window.fragment)
+        return failure
+
+    async def answering(window, reply):
+        await answer_first(window, reply)
+        await hook("after_first_reply", window.round, window.fragment)
+
+    committer.merge, committer.hold = merging, holding  # type: ignore[method-assign]
+    committer.publish, committer.answer_first = publishing, answering  # type: ignore[method-assign]
+
+
+def crash_hook(spec: str, on_event=lambda event: None) -> Hook | None:
+    """A commit hook that kills this process at the named phase (None: no crash asked)."""
     parsed = parse_crash_at(spec)
     if parsed is None:
-        return no_hook
+        return None
     phase, round_id = parsed
 
     async def hook(reached: str, round_now: int, fragment: int) -> None:

@@ -1,0 +1,323 @@
+"""Closing a window: a commit in four named steps, in this order (docs/protocol.md argues
+each crash point):
+
+1. `merge`: screen and merge the deltas, encode the update frame, and compute the result
+   on a copy of the fragment (worker thread; the replica is not touched);
+2. `hold`: push the frame to the live learners (`hold_update`) until `sync.commit_holders`
+   of them keep it;
+3. `publish`: check that no rival record of the round exists, then store the round
+   record, which names the holders and the frame's digest: **the commit point**;
+4. install the result in the replica and `answer_first` / answer every waiting learner.
+
+A crash before 3 leaves no record: learners fail over and the round is re-run. A crash
+after 3 leaves a record whose update the holders serve. Fault injection wraps these
+steps from the outside (`peer.faults.crash_between_steps`); nothing here knows of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from p2pdiloco import compress, wire
+from p2pdiloco.config import RunConfig
+from p2pdiloco.outer.fragment import FragmentState, outer_update
+from p2pdiloco.outer.screening import ScreeningRules
+from p2pdiloco.outer.step import tensor_norm
+from p2pdiloco.protocol.membership import Heartbeat, learners
+from p2pdiloco.protocol.merge import RoundMerge, history_of, max_tokens_per_step, merge_round
+from p2pdiloco.protocol.rounds import (
+    RoundRecord,
+    record_subkey,
+    records_of,
+    rounds_key,
+    signed_record,
+)
+from p2pdiloco.protocol.windows import RunningMean
+from p2pdiloco.roles.replica import ReplicaSync
+from p2pdiloco.roles.state import GlobalState
+from p2pdiloco.roles.window import Window
+from p2pdiloco.transport.base import Transport, TransportError, transfer_timeout_s
+from p2pdiloco.wire import messages
+from p2pdiloco.wire.contributions import ContributionStore, contribution_digest
+from p2pdiloco.wire.updates import Update, new_update
+
+log = logging.getLogger(__name__)
+
+ROUND_RECORD_TTL_S = 3600.0
+"""How long round records stay in the DHT, seconds."""
+HOLD_TIMEOUT_S = 20.0
+"""Deadline for a holder to take an update, seconds, plus the update's bytes at the
+slowest expected link (`transfer_timeout_s`)."""
+BACKGROUND_PUSHES = 2
+"""Pushes to further learners at once, after the commit holders acked: each one shares
+the synchronizer's uplink with the rest."""
+
+
+@dataclass(frozen=True)
+class Merged:
+    """What step 1 computed: the merge, and (when something was kept and the replica is
+    still at the round) the advanced fragment, its update and the update's norm."""
+
+    result: RoundMerge
+    history_first: int
+    advanced: FragmentState | None = None
+    update: Update | None = None
+    norm: float = 0.0
+
+
+class Committer:
+    """Commits the windows one synchronizer closes."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        run: str,
+        config: RunConfig,
+        state: GlobalState,
+        members: Callable[[], dict[str, Heartbeat]],
+        replicas: ReplicaSync,
+        worker: ThreadPoolExecutor,
+        limits: wire.WireLimits,
+        on_event: Callable[[dict], None],
+        rivals_visible: Callable[[int], bool],
+        certificates: tuple[bytes, ...],
+        screening_rules: ScreeningRules,
+    ) -> None:
+        self.transport = transport
+        self.run = run
+        self.config = config
+        self.state = state
+        self.members = members
+        self.replicas = replicas
+        self.worker = worker
+        self.limits = limits
+        self.on_event = on_event
+        self.rivals_visible = rivals_visible
+        self.certificates = certificates
+        """This peer's operator certificates, shown in its round records."""
+        self.screening_rules = screening_rules
+        self.outer_codec = compress.make_codec_from_config(config.compress, outer=True)
+        self.max_tokens_per_step = max_tokens_per_step(config)
+        self.kept = ContributionStore()
+        """Signed contributions of the rounds this peer committed, served to auditors."""
+        self.sync_time = RunningMean()
+        self.tasks: set[asyncio.Task] = set()
+        """Background pushes still running after their commit."""
+
+    @property
+    def peer_id(self) -> str:
+        return self.transport.peer_id
+
+    # --- 1. merge ---------------------------------------------------------------------------
+
+    async def merge(self, window: Window, grace_s: float) -> Merged:
+        """Step 1, on the worker thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.worker, self._merge, window, grace_s)
+
+    def _merge(self, window: Window, grace_s: float) -> Merged:
+        snapshot = self.state.export_fragment(window.fragment)
+        history, history_first = history_of(
+            self.replicas.chains[window.fragment], window.round, self.screening_rules.history_rounds
+        )
+        result = merge_round(
+            list(window.candidates.values()),
+            history=history,
+            params=snapshot.params,
+            momentum=snapshot.momentum,
+            outer=self.config.outer,
+            sync=self.config.sync,
+            rules=self.screening_rules,
+            max_tokens_per_step=self.max_tokens_per_step,
+            outer_codec=self.outer_codec,
+        )
+        if result.decoded is None or len(result.screening.kept) < self.config.sync.min_quorum:
+            return Merged(result, history_first)
+        if snapshot.round != window.round:  # a rival's update was applied meanwhile
+            return Merged(result, history_first)
+        advanced = outer_update(snapshot, result.decoded, self.config.outer)
+        contributors = [(v.peer, float(v.weight), v.tokens) for v in result.screening.kept]
+        update = new_update(
+            self.run, window.round, window.fragment, self.peer_id, snapshot.hash, advanced.hash,
+            contributors, result.encoded, grace_s,
+        )
+        return Merged(result, history_first, advanced, update, tensor_norm(result.decoded))
+
+    # --- 2. hold ----------------------------------------------------------------------------
+
+    async def hold(self, update: Update) -> list[str] | None:
+        """Step 2: push the update to live learners until `commit_holders` keep it; None
+        if too few do.
+
+        Contributors first (they need it anyway), then the other live learners. Only as
+        many pushes as holders are still needed run at once (a failed one is replaced by
+        the next target), so on a slow uplink the first holder gets the whole of it; once
+        enough acked, the other learners get it in the background, `BACKGROUND_PUSHES` at
+        a time, so more peers hold it.
+        """
+        self.replicas.keep(update)
+        me = self.peer_id
+        contributors = [c[0] for c in update.contributors if c[0] != me]
+        others = [p for p in learners(self.members()) if p != me and p not in contributors]
+        targets = contributors + others
+        need = min(self.config.sync.commit_holders, len(targets))
+        if need == 0:
+            return []
+        timeout_s = transfer_timeout_s(HOLD_TIMEOUT_S, len(update.frame))
+        holders: list[str] = []
+        queue = list(targets)  # not tried yet: a failed push is not repeated
+        running: set[asyncio.Future] = set()
+        deadline = time.monotonic() + 2 * timeout_s  # one failed wave, then its replacement
+        while len(holders) < need and (queue or running) and time.monotonic() < deadline:
+            while queue and len(running) < need - len(holders):
+                running.add(asyncio.ensure_future(self._push(queue.pop(0), update, timeout_s)))
+            done, running = await asyncio.wait(
+                running, timeout=deadline - time.monotonic(), return_when=asyncio.FIRST_COMPLETED
+            )
+            holders += [peer for peer in (task.result() for task in done) if peer is not None]
+        for task in running:
+            task.cancel()
+        if len(holders) < need:
+            return None
+        if queue:
+            task = asyncio.ensure_future(self._push_rest(queue, update, timeout_s))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        return list(holders)
+
+    async def _push(self, peer: str, update: Update, timeout_s: float) -> str | None:
+        """Hand the update to `peer` to hold; its id once it acked the digest, else None."""
+        try:
+            raw = await self.transport.call(
+                peer, f"{self.run}.{messages.RPC_HOLD_UPDATE}", update.frame,
+                timeout_s=timeout_s, max_response_bytes=1 << 16,
+            )
+        except TransportError as exc:
+            log.info("hold failed peer=%s error=%r", peer[-8:], exc)
+            return None
+        reply = messages.decode_reply(raw, self.limits, self.run)
+        if (
+            not isinstance(reply, wire.Rejected)
+            and reply.meta.get("status") == messages.HELD
+            and reply.meta.get("digest") == update.digest
+        ):
+            return peer
+        return None
+
+    async def _push_rest(self, peers: list[str], update: Update, timeout_s: float) -> None:
+        """After the commit: the update to the other learners, a few at a time."""
+        slots = asyncio.Semaphore(BACKGROUND_PUSHES)
+
+        async def one(peer: str) -> None:
+            async with slots:
+                await self._push(peer, update, timeout_s)
+
+        await asyncio.gather(*(one(p) for p in peers))
+
+    # --- 3. publish -------------------------------------------------------------------------
+
+    def record_of(self, window: Window, merged: Merged, holders: list[str], grace_s: float) -> RoundRecord:
+        """The signed round record that commits `merged` (not stored yet)."""
+        update, screening = merged.update, merged.result.screening
+        assert update is not None, "a record names an update"
+        record = RoundRecord(
+            round=window.round,
+            fragment=window.fragment,
+            synchronizer=self.peer_id,
+            hash=update.hash,
+            parent=update.parent,
+            digest=update.digest,
+            holders=tuple(holders),
+            contributors=update.contributors,
+            contributions=tuple(contribution_digest(window.sealed[v.peer]) for v in screening.kept),
+            norms=tuple(v.merged_norm for v in screening.kept),
+            refused=tuple(contribution_digest(window.sealed[p]) for p in sorted(screening.refused)),
+            history_from=merged.history_first,
+            grace_s=grace_s,
+            closed_at=self.transport.now(),
+            certificates=self.certificates,
+        )
+        return signed_record(self.transport.identity, self.run, record)
+
+    async def committed_elsewhere(self, round_id: int, fragment: int) -> bool:
+        """True when some synchronizer already committed (round, fragment) (failover race)."""
+        if not self.rivals_visible(round_id):
+            return False
+        raw = await self.transport.get(rounds_key(self.run, fragment))
+        parent = self.replicas.parent_hash(fragment, round_id)
+        return any(
+            r.round == round_id and r.parent == parent
+            for r in records_of(self.run, raw, fragment, self.replicas.entitlement.entitled).values()
+        )
+
+    async def publish(self, window: Window, merged: Merged, record: RoundRecord) -> str:
+        """Step 3, the commit point: "" once the record is stored, else why not."""
+        if await self.committed_elsewhere(window.round, window.fragment):
+            return "round committed elsewhere"
+        if not await self._store_record(record):
+            return "round record not stored"
+        self.kept.put(window.round, window.fragment, [window.sealed[c.peer] for c in merged.result.candidates])
+        return ""
+
+    async def _store_record(self, record: RoundRecord) -> bool:
+        """Store the round's record. A DHT may answer "not stored" for a record that some of
+        its nodes did keep (hivemind reports its last replica's answer), so a refusal is
+        checked by reading the record back."""
+        key, subkey = rounds_key(self.run, record.fragment), record_subkey(record.round, self.peer_id)
+        if await self.transport.store(key, subkey, record.sealed, self.transport.now() + ROUND_RECORD_TTL_S):
+            return True
+        found = (await self.transport.get(key)).get(subkey)
+        if found is not None and found[0] == record.sealed:
+            log.info("round record reported not stored but found round=%d fragment=%d", record.round, record.fragment)
+            return True
+        return False
+
+    # --- 4. install and answer --------------------------------------------------------------
+
+    async def install(self, record: RoundRecord, merged: Merged) -> None:
+        """Step 4: the result becomes this replica's (no decode, no hash)."""
+        assert merged.update is not None and merged.advanced is not None, "only a merge is installed"
+        await self.replicas.install_own(record, merged.update, merged.advanced, merged.norm)
+
+    async def answer_first(self, window: Window, reply: bytes) -> None:
+        """The first waiting learner hears of the commit (the others right after)."""
+        for peer in window.waiters:
+            if window.answer(peer, reply):
+                return
+
+    def report(self, window: Window, merged: Merged, record: RoundRecord, grace_s: float, elapsed: float) -> None:
+        """The log line and the `round_closed` event of a committed round."""
+        update, result = merged.update, merged.result
+        assert update is not None, "a committed round has an update"
+        refused = result.screening.refused
+        log.info(
+            "round closed round=%d fragment=%d merged=%d refused=%d holders=%d grace_s=%.2f sync_s=%.3f hash=%s",
+            window.round, window.fragment, len(result.screening.kept), len(refused), len(record.holders),
+            grace_s, elapsed, update.hash[:12],
+        )
+        claimed = {c.peer: c for c in result.candidates}
+        self.on_event(
+            {
+                "event": "round_closed",
+                "round": window.round,
+                "fragment": window.fragment,
+                "contributors": [c[0] for c in update.contributors],
+                "weights": [c[1] for c in update.contributors],
+                # the work each merged delta carries, as claimed (goodput is counted from these)
+                "tokens": [claimed[c[0]].tokens for c in update.contributors],
+                "steps": [claimed[c[0]].steps for c in update.contributors],
+                "staleness": [claimed[c[0]].staleness for c in update.contributors],
+                "step_ranges": [list(window.step_ranges.get(c[0], (0, 0))) for c in update.contributors],
+                "refused": sorted(refused),
+                "holders": list(record.holders),
+                "grace_s": grace_s,
+                "sync_s": elapsed,
+                "hash": update.hash,
+                "clip_norm": result.screening.clip_norm,
+            }
+        )
