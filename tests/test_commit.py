@@ -143,7 +143,7 @@ class Node:
             self.transport, RUN, self.state, self.members, LIMITS, self.worker,
             void_after_s=CONFIG.sync.round_deadline_s, on_event=self.events.append,
         )
-        self.replicas.on_committed.append(lambda f, r, record: self.notified.append((f, r, record)))
+        self.replicas.on_settled.append(lambda f, r, record: self.notified.append((f, r, record)))
         self.sync = Synchronizer(
             self.transport, RUN, CONFIG, self.state, self.members, LIMITS, self.replicas,
             self.worker, on_event=self.events.append,

@@ -111,8 +111,8 @@ class Peer:
             peer_id, RUN, config, trainer, iter(()), self.state, submit, [],
             on_event=self.events.append, contributors_of=self.replicas.contributors_of,
         )  # fmt: skip
-        self.replicas.on_committed.append(
-            lambda f, r, record: self.learner.committed.put((f, r, frozenset(c[0] for c in record.contributors)))
+        self.replicas.on_settled.append(
+            lambda f, r, record: self.learner.round_settled(f, r, (c[0] for c in record.contributors))
         )
 
     def members(self) -> dict[str, Heartbeat]:

@@ -191,7 +191,7 @@ def test_a_rival_record_moves_a_decided_delta_back_or_out(tiny_config, tiny_corp
     learner.take_over_updates()
     settled = local_params(learner)
     _, delta = sent_delta(sent)
-    learner.committed.put((0, 0, frozenset({"rival"})))
+    learner.round_settled(0, 0, {"rival"})
     learner.settle()
     assert learner.progress.rounds_contributed == 0 and learner.ledgers[0].steps == 2
     assert close(local_params(learner), {n: settled[n] - delta[n] for n in delta})
@@ -204,7 +204,7 @@ def test_a_rival_record_moves_a_decided_delta_back_or_out(tiny_config, tiny_corp
     assert (0, 1) in learner.folded
     folded_local = local_params(learner)
     _, delta = sent_delta(sent)
-    learner.committed.put((0, 1, frozenset({"me"})))
+    learner.round_settled(0, 1, {"me"})
     learner.settle()
     assert learner.progress.rounds_contributed == 1 and learner.ledgers[0].steps == 0
     assert close(local_params(learner), {n: folded_local[n] + delta[n] for n in delta})
@@ -245,7 +245,7 @@ def test_decided_deltas_drop_their_tensors_once_too_stale_to_matter(tiny_config,
     # a rival taking a round whose delta is too stale un-books it: its steps are reported lost
     total = 2 * (KEPT_PER_FRAGMENT + 4)
     assert learner.progress.rounds_contributed == total
-    learner.committed.put((0, rounds_0[0], frozenset({"other"})))
+    learner.round_settled(0, rounds_0[0], {"other"})
     learner.settle()
     assert learner.progress.rounds_contributed == total - 1
     assert learner.progress.lost_steps == {"rival_record": 1}

@@ -257,8 +257,8 @@ class PeerDaemon:
             peer_id, options.run, config, trainer, batches, state, submit, eval_set,
             on_event=self.emit, contributors_of=replicas.contributors_of,
         )  # fmt: skip
-        replicas.on_committed.append(
-            lambda f, r, record: learner.committed.put((f, r, frozenset(c[0] for c in record.contributors)))
+        replicas.on_settled.append(
+            lambda f, r, record: learner.round_settled(f, r, (c[0] for c in record.contributors))
         )
         state.listeners.append(
             lambda f, r: self.emit(

@@ -187,21 +187,24 @@ class Learner:
         loop keeps queuing steps meanwhile (a 150M fragment costs ~0.1 s of CPU)."""
         self.encoding: dict[int, Future[Encoded]] = {}
         """Fragments with the encoder, sent by the loop once their encoding is done."""
-        self.received: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         self._params = dict(trainer.model.named_parameters())
         self.bases: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
         """Per fragment, the global (round, parameters) the replica last took over: the
         base its delta is taken against (the global state may have moved on since)."""
-        self.committed: queue.SimpleQueue[tuple[int, int, frozenset[str]]] = queue.SimpleQueue()
-        """(fragment, round, contributors) of each committed round the replica reached,
-        again when a rival record wins a round later."""
+        self.base_hashes: dict[int, str] = {}
+        """Per fragment, the hash of that base: the replica moved when its hash differs (an
+        update applied, or a repair that replaced the fragment at the same round)."""
+        self.settled: queue.SimpleQueue[tuple[int, int, frozenset[str]]] = queue.SimpleQueue()
+        """(fragment, round, contributors) of each round the replica passed, by its
+        canonical record as read from the DHT; again when a rival record wins a round
+        later. The one channel from the replica (`round_settled`)."""
         self.booked: dict[tuple[int, int], InFlight] = {}
         """Deltas decided merged, kept in case a rival record without them wins their round."""
         self.folded: dict[tuple[int, int], InFlight] = {}
         """Deltas decided folded, kept in case a rival record with them wins their round."""
-        state.listeners.append(lambda fragment, round_id: self.received.put((fragment, round_id)))
         for fragment in range(num_fragments):
             self.bases[fragment] = state.fragment_params(fragment)
+            self.base_hashes[fragment] = state.current_hash(fragment)
         self.restart_from_base(reason="")
 
     # --- the loop -----------------------------------------------------------------------
@@ -564,13 +567,18 @@ class Learner:
             }
         )
 
+    def round_settled(self, fragment: int, round_id: int, contributors: Iterable[str]) -> None:
+        """The replica passed (fragment, round) and its canonical record lists
+        `contributors` (any thread)."""
+        self.settled.put((fragment, round_id, frozenset(contributors)))
+
     def settle(self) -> None:
         """Follow the canonical records of rounds already decided here: if a rival record
         wins a round, a delta booked merged in it comes back into the local progress, and
         a folded delta that the winner lists leaves it."""
         while True:
             try:
-                fragment, round_id, contributors = self.committed.get_nowait()
+                fragment, round_id, contributors = self.settled.get_nowait()
             except queue.Empty:
                 break
             key = (fragment, round_id)
@@ -641,16 +649,10 @@ class Learner:
                     item.tensors = {}
 
     def take_over_updates(self) -> None:
-        """Take over fragments whose global update was applied: the update goes under the
-        local progress, and the delta shipped against the old base is decided by the
-        canonical record of its round."""
-        updated = set()
-        while True:
-            try:
-                fragment, _round = self.received.get_nowait()
-            except queue.Empty:
-                break
-            updated.add(fragment)
+        """Take over fragments whose global state moved (an update applied, or a repair):
+        the update goes under the local progress, and the delta shipped against the old
+        base is decided by the canonical record of its round."""
+        updated = {f for f, known in self.base_hashes.items() if self.state.current_hash(f) != known}
         if not updated:
             return
         self.load_global_into_model(sorted(updated))
@@ -676,7 +678,9 @@ class Learner:
         written = []
         for fragment in fragments:
             old_round, old_base = self.bases[fragment]
-            new_round, new_base = self.state.fragment_params(fragment)
+            with self.state.lock:
+                new_round, new_base = self.state.fragment_params(fragment)
+                self.base_hashes[fragment] = self.state.current_hash(fragment)
             item = self.in_flight.get(fragment)
             merged = None
             if item is not None and item.target_round < new_round:

@@ -5,7 +5,7 @@
 record's holders, its synchronizer or any live peer; decoded once, applied through
 `outer.fragment.outer_update`, checked against the record's signed hash), and repairs by
 state download when this replica sits on a losing branch or is too far behind. Learners
-hear of each round it passed through `on_committed`, with the canonical record.
+hear of each round it passed through `on_settled`, with the canonical record.
 
 The parts it composes do the rest: `serving.UpdateServer` (hold and serve frames and
 state), `download.StateDownload` (verified state download), `audits.Audits` (audit,
@@ -106,7 +106,7 @@ class ReplicaSync:
         self._unfetchable_since: dict[str, float] = {}
         self._locks = [asyncio.Lock() for _ in state.fragments]
         self._fetched_bytes = 0
-        self.on_committed: list[Callable[[int, int, RoundRecord], None]] = []
+        self.on_settled: list[Callable[[int, int, RoundRecord], None]] = []
         """Called as `(fragment, round, record)` with the canonical record of each round
         this replica passed, as read from the DHT (again if it changes), so learners
         settle their deltas by what the swarm committed, not by what one peer said."""
@@ -216,11 +216,10 @@ class ReplicaSync:
             self._notify_settled(fragment, chain)
             return True
 
-    async def apply_committed(self, record: RoundRecord, hint: Update | None = None) -> bool:
-        """Apply the committed round `record` (e.g. named in a synchronizer's reply)."""
+    async def apply_committed(self, record: RoundRecord) -> bool:
+        """Apply the committed round `record` (named in a synchronizer's reply: its update
+        is usually held here already, pushed by the synchronizer before it committed)."""
         fragment = record.fragment
-        if hint is not None:
-            self.keep(hint)
         async with self._locks[fragment]:
             if self.state.round_of(fragment) > record.round:
                 return self.state.applied_hashes[fragment].get(record.round) == record.hash
@@ -317,7 +316,7 @@ class ReplicaSync:
             record = chain[round_id]
             if notified.get(round_id) != record.digest:
                 notified[round_id] = record.digest
-                for listener in list(self.on_committed):
+                for listener in list(self.on_settled):
                     listener(fragment, round_id, record)
         for old in [r for r in notified if r < current - NOTIFY_ROUNDS]:
             del notified[old]
