@@ -8,6 +8,8 @@ exchange and no registry. The key file is the libp2p protobuf private key that p
 
 Every signature covers a *domain* (what the bytes are, in which run) before the payload,
 so bytes signed as a heartbeat can never be replayed as a round record or into another run.
+Each kind of signed value is one `SignedKind`: its domain, its size bound, and the seal,
+peek and open that every kind shares (opening returns the reason for a refusal).
 """
 
 from __future__ import annotations
@@ -138,6 +140,56 @@ def unseal(peer_id: str, domain: str, sealed: object, max_bytes: int = MAX_SEALE
     if not verify(peer_id, domain, payload, signature):
         raise SealError(f"bad signature for {peer_id[-8:] if isinstance(peer_id, str) else '?'}")
     return payload
+
+
+@dataclass(frozen=True)
+class SignedKind:
+    """One kind of value peers sign (round records, heartbeats, contributions, notices,
+    certificates): its domain `<name>/<run>` and the largest sealed value accepted.
+
+    Opening never raises: untrusted bytes come back as the payload or a reason (a string).
+    """
+
+    name: str
+    """First part of the domain: what the signed bytes are."""
+    max_bytes: int = MAX_SEALED_BYTES
+    """Largest sealed value of this kind accepted (bytes)."""
+
+    def domain(self, run: str) -> str:
+        """The domain a value of this kind is signed in for `run`."""
+        return f"{self.name}/{run}"
+
+    def seal(
+        self, identity: Identity, run: str, payload: bytes, signer: str | None = None
+    ) -> bytes:
+        """`payload` signed by `identity` for `run`. `signer`, when the payload names the
+        peer that signs it, must be `identity` (a value signed by another is a bug)."""
+        if signer is not None and signer != identity.peer_id:
+            raise ValueError(
+                f"a {self.name} value naming {signer[-8:]} is signed by that peer only"
+            )
+        return identity.seal(self.domain(run), payload)
+
+    def open(
+        self, signer: str, run: str, sealed: object, max_bytes: int | None = None
+    ) -> bytes | str:
+        """The payload of `sealed` if `signer` signed it as this kind for `run`, else the
+        reason. `max_bytes` overrides the kind's bound (a contribution's is the run's)."""
+        try:
+            return unseal(signer, self.domain(run), sealed, self._bound(max_bytes))
+        except SealError as exc:
+            return str(exc)
+
+    def peek(self, sealed: object, max_bytes: int | None = None) -> bytes | str:
+        """The payload of `sealed` NOT verified (only to learn who must have signed it), or
+        the reason it is not a sealed value."""
+        try:
+            return peek(sealed, self._bound(max_bytes))
+        except SealError as exc:
+            return str(exc)
+
+    def _bound(self, max_bytes: int | None) -> int:
+        return self.max_bytes if max_bytes is None else max_bytes
 
 
 def parse_libp2p_private_key(data: bytes) -> Identity:

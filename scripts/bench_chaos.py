@@ -51,20 +51,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
+from p2pdiloco.cli.argv import TINY_RUN, child_join_args  # noqa: E402
 from p2pdiloco.cli.launcher import Child, ChildFailedToStart, reap_all  # noqa: E402
 
 Event = dict[str, Any]
 
 ROUND_DEADLINE_S = 20.0
-TINY = [  # tests/net/swarm_util.py TINY_RUN, with a 20 s round deadline
-    "model.preset='tiny'",
-    "model.seq_len=32",
-    "data.max_files=60",
-    "train.batch_size=2",
-    "train.device='cpu'",
-    "train.warmup_steps=5",
-    f"sync.round_deadline_s={ROUND_DEADLINE_S:g}",
-]
+TINY = [*TINY_RUN, f"sync.round_deadline_s={ROUND_DEADLINE_S:g}"]  # H comes per setting
 READY_S = 240.0
 JOIN_S = 300.0
 STOP_S = 40.0
@@ -157,9 +150,8 @@ class Swarm:
         """Start learner `learner` (again), with its identity and checkpoint directory."""
         own = self.workdir / f"learner{learner}"
         own.mkdir(parents=True, exist_ok=True)  # the identity file's directory must exist
-        args = [
-            sys.executable, "-m", "p2pdiloco", "join", "--events",
-            "--heartbeat-s", "1", "--threads", "1", "--eval-batches", "0",
+        flags = [
+            "--eval-batches", "0",
             "--identity", str(own / "id.key"),
             "--checkpoint-dir", str(own / "ckpt"),
             "--checkpoint-every-s", "2",
@@ -167,9 +159,8 @@ class Swarm:
             "--initial-peers", *self.maddrs,
         ]  # fmt: skip
         if first:
-            args += ["--wait-peers", str(self.setting.learners)]
-        for item in self.sets:
-            args += ["--set", item]
+            flags += ["--wait-peers", str(self.setting.learners)]
+        args = [sys.executable, *child_join_args(*flags, sets=self.sets)]
         n = sum(1 for inc in self.incarnations if inc.learner == learner)
         child = Child.spawn(args, f"learner{learner}.{n}", cwd=REPO, env=_env())
         inc = Incarnation(learner, child, time.time())

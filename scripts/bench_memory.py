@@ -33,6 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
+from p2pdiloco.cli.argv import set_args  # noqa: E402
 from p2pdiloco.cli.launcher import Child, reap_all  # noqa: E402
 from p2pdiloco.peer.census import status_bytes  # noqa: E402
 
@@ -222,9 +223,7 @@ def run_swarm(
             "sync.min_quorum=1", "train.warmup_steps=2", "data.max_files=300",
             *SWARM_SETS[preset]]  # fmt: skip
     # the bootstrap node validates records by the run's config (its fragment count)
-    boot_argv = [sys.executable, "-m", "p2pdiloco", "bootstrap", "--events"]
-    for item in sets:
-        boot_argv += ["--set", item]
+    boot_argv = [sys.executable, "-m", "p2pdiloco", "bootstrap", "--events", *set_args(sets)]
     boot = Child.spawn(boot_argv, "boot", cwd=REPO, env=_env())
     maddrs = boot.wait_ready(300)["maddrs"]
 
@@ -233,9 +232,8 @@ def run_swarm(
         own.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "p2pdiloco", "join", "--events", "--threads", "1",
                 "--eval-batches", "0", "--heartbeat-s", "2",
-                "--identity", str(own / "id.key"), "--initial-peers", *maddrs, *extra]  # fmt: skip
-        for item in sets:
-            argv += ["--set", item]
+                "--identity", str(own / "id.key"), "--initial-peers", *maddrs, *extra,
+                *set_args(sets)]  # fmt: skip
         child = Child.spawn(argv, name, cwd=REPO, env=_env(census, mmap_threshold))
         sampler.children.append(child)
         return child

@@ -24,6 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
+from p2pdiloco.cli.argv import set_args  # noqa: E402
 from p2pdiloco.cli.launcher import Child, wait_all_ready  # noqa: E402
 
 QUICK = {
@@ -123,7 +124,7 @@ def run_lone(sets: list[str], steps: int, num: int, timeout_s: float) -> list[di
                 str(i),
                 "--steps",
                 str(steps),
-                *sum((["--set", s] for s in sets), []),
+                *set_args(sets),
             ],
             f"lone{i}",
             stdin=True,
@@ -145,7 +146,7 @@ def run_lone(sets: list[str], steps: int, num: int, timeout_s: float) -> list[di
 
 def run_swarm(sets: list[str], steps: int, num: int, timeout_s: float) -> list[list[dict]]:
     """A bootstrap node and `num` peers that leave after `steps`; each peer's events."""
-    boot = _spawn(["-m", "p2pdiloco", "bootstrap", "--events", *sum((["--set", s] for s in sets), [])], "bootstrap")
+    boot = _spawn(["-m", "p2pdiloco", "bootstrap", "--events", *set_args(sets)], "bootstrap")
     peers: list[Child] = []
     try:
         deadline = time.monotonic() + timeout_s
@@ -165,9 +166,8 @@ def run_swarm(sets: list[str], steps: int, num: int, timeout_s: float) -> list[l
             str(num),
             "--initial-peers",
             *maddrs,
+            *set_args(sets),
         ]
-        for item in sets:
-            args += ["--set", item]
         peers = [_spawn([*args, "--data-rank", str(i)], f"peer{i}") for i in range(num)]
         codes = _finish(peers, deadline)
         _report_failures(peers, codes)

@@ -43,6 +43,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
+from p2pdiloco.cli.argv import set_args  # noqa: E402
 from p2pdiloco.cli.launcher import Child, reap_all  # noqa: E402
 
 LEARNERS = 4
@@ -269,10 +270,9 @@ def run_diloco(
     """Four `p2pdiloco join` peers, one per namespace, until learner 0's global model
     reaches `target` held-out loss or `steps` inner steps each."""
     sets = diloco_sets(setting, extra)
+    # the bootstrap node gets the run's config too: it validates records by it
     boot_argv = ["ip", "netns", "exec", BRIDGE_NS, sys.executable, "-m", "p2pdiloco", "bootstrap",
-                 "--events", "--host", BRIDGE_IP]  # fmt: skip
-    for item in sets:  # it validates records by the run's config
-        boot_argv += ["--set", item]
+                 "--events", "--host", BRIDGE_IP, *set_args(sets)]  # fmt: skip
     boot = Child.spawn(boot_argv, "boot", cwd=REPO, env=_env())
     try:
         maddrs = boot.wait_ready(300)["maddrs"]
@@ -285,9 +285,8 @@ def run_diloco(
                     "--events", "--threads", "1", "--host", learner_ip(i), "--heartbeat-s", "2",
                     "--eval-batches", str(EVAL_BATCHES if i == 0 else 0), "--max-steps", str(steps),
                     "--wait-peers", str(LEARNERS), "--data-rank", str(i), "--data-shards", str(LEARNERS),
-                    "--identity", str(own / "id.key"), "--initial-peers", *maddrs]  # fmt: skip
-            for item in sets:
-                argv += ["--set", item]
+                    "--identity", str(own / "id.key"), "--initial-peers", *maddrs,
+                    *set_args(sets)]  # fmt: skip
             peers.append(Child.spawn(argv, f"learner{i}", cwd=REPO, env=_env()))
         while True:  # learner 0 evaluates the global model after each round
             event = peers[0].wait_event(lambda e: e.get("event") in ("eval", "summary"), WAIT_S)

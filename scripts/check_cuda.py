@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
 import torch  # noqa: E402
 
+from p2pdiloco.cli.argv import set_args  # noqa: E402
 from p2pdiloco.cli.launcher import Child, reap_all  # noqa: E402
 from p2pdiloco.config import load_config  # noqa: E402
 from p2pdiloco.training.data import Corpus, learner_batches  # noqa: E402
@@ -117,8 +118,7 @@ def run_swarm(preset: str, device_name: str, steps: int) -> dict:
     argv += ["--eval-batches", "0", "--max-steps", str(steps + 2 * WARMUP_STEPS)]
     if device_name == "cpu":
         argv += ["--threads", "1"]  # as the lone run: one core each, comparable
-    for item in run_sets(preset, device_name):
-        argv += ["--set", item]
+    argv += set_args(run_sets(preset, device_name))
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     child = Child.spawn(argv, f"swarm-{preset}", cwd=REPO, env={"PYTHONPATH": pythonpath})
     child.wait_ready(300)

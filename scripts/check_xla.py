@@ -34,6 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
+from p2pdiloco.cli.argv import child_join_args  # noqa: E402
 from p2pdiloco.cli.launcher import Child, reap_all, wait_all_ready  # noqa: E402
 from p2pdiloco.protocol.fragments import partition_fragments  # noqa: E402
 from p2pdiloco.training.model import build_model  # noqa: E402
@@ -63,12 +64,9 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def join_argv(python: str, device: str, maddrs: list[str], max_rounds: int) -> list[str]:
-    argv = [python, "-m", "p2pdiloco", "join", "--events", "--threads", "1"]
-    argv += ["--heartbeat-s", "1", "--wait-peers", "2", "--eval-batches", str(EVAL_BATCHES)]
-    argv += ["--max-rounds", str(max_rounds), "--initial-peers", *maddrs]
-    for item in [*SETS, f"train.device='{device}'"]:
-        argv += ["--set", item]
-    return argv
+    flags = ["--wait-peers", "2", "--eval-batches", str(EVAL_BATCHES), "--max-rounds", str(max_rounds)]
+    sets = [*SETS, f"train.device='{device}'"]
+    return [python, *child_join_args(*flags, "--initial-peers", *maddrs, sets=sets)]
 
 
 def wait_stopped(child: Child, timeout_s: float) -> None:

@@ -10,6 +10,7 @@ import pytest
 from p2pdiloco.identity import (
     Identity,
     SealError,
+    SignedKind,
     is_peer_id,
     load_identity,
     save_identity,
@@ -55,6 +56,20 @@ def test_a_key_file_that_is_not_an_ed25519_key_is_one_clear_error(tmp_path) -> N
 def test_unseal_refuses_junk_with_a_seal_error(junk) -> None:
     with pytest.raises(SealError):
         unseal(PEER.peer_id, "d", junk)
+
+
+def test_a_signed_kind_opens_only_its_own_kind_run_and_signer_and_says_why_not() -> None:
+    beats, records = SignedKind("beat", 256), SignedKind("record", 256)
+    sealed = beats.seal(PEER, RUN, b"payload", signer=PEER.peer_id)
+    assert beats.open(PEER.peer_id, RUN, sealed) == b"payload"
+    assert beats.peek(sealed) == b"payload"
+    assert "bad signature" in beats.open(OTHER.peer_id, RUN, sealed)
+    assert "bad signature" in beats.open(PEER.peer_id, "other-run", sealed)
+    assert "bad signature" in records.open(PEER.peer_id, RUN, sealed)
+    assert isinstance(beats.open(PEER.peer_id, RUN, sealed, max_bytes=16), str)
+    assert isinstance(beats.peek(b"\xc1"), str)
+    with pytest.raises(ValueError, match="signed by that peer"):
+        beats.seal(PEER, RUN, b"payload", signer=OTHER.peer_id)
 
 
 # --- certificates and admission --------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import Any
 
 from rich.console import Console
 
+from p2pdiloco.cli.argv import set_args
 from p2pdiloco.cli.launcher import Child, ChildFailedToStart
 from p2pdiloco.config import PeerConfig, RunConfig, config_to_dict
 from p2pdiloco.errors import NetworkSetupError
@@ -88,8 +89,7 @@ class LocalSwarm:
         """Start the bootstrap node, then every learner at once; wait until all are ready."""
         # the bootstrap node gets the run's config too: its transport, and its fragments'
         # record keys (it refuses records of keys it does not know)
-        sets = [arg for item in self.sets for arg in ("--set", item)]
-        self.bootstrap = self._spawn("bootstrap", ["bootstrap", "--events", *sets])
+        self.bootstrap = self._spawn("bootstrap", ["bootstrap", "--events", *set_args(self.sets)])
         self.bootstrap_maddrs = self._wait_ready(self.bootstrap, timeout_s)["maddrs"]
         base = [
             "join",
@@ -105,9 +105,8 @@ class LocalSwarm:
             str(self.num_peers),
             "--initial-peers",
             *self.bootstrap_maddrs,
+            *set_args(self.sets),
         ]
-        for item in self.sets:
-            base += ["--set", item]
         self.learners = [
             self._spawn(f"peer{i}", [*base, "--data-rank", str(i)]) for i in range(self.num_peers)
         ]

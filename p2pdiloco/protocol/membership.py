@@ -16,7 +16,7 @@ from typing import Any
 
 import msgpack
 
-from p2pdiloco.identity import Identity, SealError, is_peer_id, unseal
+from p2pdiloco.identity import Identity, SignedKind, is_peer_id
 
 PROTOCOL_VERSION = 3
 """Bumped on any incompatible change of the swarm's messages or records (3: heartbeats,
@@ -86,6 +86,9 @@ class Heartbeat:
 
 
 MAX_HEARTBEAT_BYTES = 1 << 14
+HEARTBEATS = SignedKind("heartbeat", MAX_HEARTBEAT_BYTES)
+"""Heartbeats, signed by the peer they speak for."""
+heartbeat_domain = HEARTBEATS.domain
 MAX_MEMBERS = 4096
 """Heartbeats read per refresh; a run this large needs a hierarchy, not one key."""
 _STATUSES = ("starting", "training", "syncing", "straggling", "leaving")
@@ -142,15 +145,9 @@ class BeatTally:
             self.audits[event["verdict"]] += 1
 
 
-def heartbeat_domain(run: str) -> str:
-    return f"heartbeat/{run}"
-
-
 def seal_heartbeat(identity: Identity, run: str, beat: Heartbeat) -> bytes:
     """The heartbeat as stored: signed by the peer it speaks for (who must be `identity`)."""
-    if beat.peer_id != identity.peer_id:
-        raise ValueError("a heartbeat is signed by its own peer")
-    return identity.seal(heartbeat_domain(run), beat.encode())
+    return HEARTBEATS.seal(identity, run, beat.encode(), signer=beat.peer_id)
 
 
 def _scalar(name: str, value: Any) -> Any:
@@ -217,10 +214,9 @@ def open_heartbeat(run: str, subkey: str, sealed: object) -> Heartbeat | str:
     """The heartbeat in `sealed` if the peer `subkey` signed it for `run`, else the reason."""
     if not is_peer_id(subkey):
         return "subkey is not a peer id"
-    try:
-        payload = unseal(subkey, heartbeat_domain(run), sealed, MAX_HEARTBEAT_BYTES)
-    except SealError as exc:
-        return str(exc)
+    payload = HEARTBEATS.open(subkey, run, sealed)
+    if isinstance(payload, str):
+        return payload
     beat = decode_heartbeat(payload)
     if isinstance(beat, Heartbeat) and beat.peer_id != subkey:
         return f"heartbeat for {beat.peer_id[-8:]} stored under {subkey[-8:]}"

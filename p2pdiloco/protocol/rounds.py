@@ -24,7 +24,7 @@ from typing import Any
 
 import msgpack
 
-from p2pdiloco.identity import Identity, SealError, is_peer_id, peek, unseal
+from p2pdiloco.identity import Identity, SignedKind, is_peer_id
 from p2pdiloco.protocol.election import rendezvous_score
 
 MAX_RECORD_BYTES = 1 << 16
@@ -185,15 +185,14 @@ def decode_round_record(raw: bytes) -> RoundRecord | None:
         return None
 
 
-def record_domain(run: str) -> str:
-    return f"round/{run}"
+ROUND_RECORDS = SignedKind("round", MAX_RECORD_BYTES + 128)
+"""Round records, signed by their synchronizer (128 bytes: the seal's envelope)."""
+record_domain = ROUND_RECORDS.domain
 
 
 def seal_record(identity: Identity, run: str, record: RoundRecord) -> bytes:
     """The record as stored and sent: signed by its synchronizer (who must be `identity`)."""
-    if record.synchronizer != identity.peer_id:
-        raise ValueError("a round record is signed by its own synchronizer")
-    return identity.seal(record_domain(run), record.encode())
+    return ROUND_RECORDS.seal(identity, run, record.encode(), signer=record.synchronizer)
 
 
 def signed_record(identity: Identity, run: str, record: RoundRecord) -> RoundRecord:
@@ -203,12 +202,11 @@ def signed_record(identity: Identity, run: str, record: RoundRecord) -> RoundRec
 
 def open_record(run: str, sealed: object) -> RoundRecord | None:
     """The record in `sealed` if its synchronizer signed it for `run`, else None (never raises)."""
-    try:
-        record = decode_round_record(peek(sealed, MAX_RECORD_BYTES + 128))
-        if record is None or not is_peer_id(record.synchronizer):
-            return None
-        unseal(record.synchronizer, record_domain(run), sealed, MAX_RECORD_BYTES + 128)
-    except SealError:
+    payload = ROUND_RECORDS.peek(sealed)
+    record = decode_round_record(payload) if isinstance(payload, bytes) else None
+    if record is None or not is_peer_id(record.synchronizer):
+        return None
+    if isinstance(ROUND_RECORDS.open(record.synchronizer, run, sealed), str):
         return None
     return dataclasses.replace(record, sealed=bytes(sealed))
 

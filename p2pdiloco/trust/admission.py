@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from p2pdiloco.identity import Identity, SealError, is_peer_id, unseal
+from p2pdiloco.identity import Identity, SignedKind, is_peer_id
 
 ROLES = ("synchronizer", "learner")
 SYNCHRONIZER_MODES = ("open", "certified")
@@ -26,8 +26,9 @@ MAX_CERTIFICATES = 4
 """Certificates a peer may present (one per role is enough)."""
 
 
-def certificate_domain(run: str) -> str:
-    return f"certificate/{run}"
+CERTIFICATES = SignedKind("certificate", MAX_CERTIFICATE_BYTES)
+"""Certificates, signed by the run's operator."""
+certificate_domain = CERTIFICATES.domain
 
 
 @dataclass(frozen=True)
@@ -43,16 +44,16 @@ class Certificate:
 def issue_certificate(operator: Identity, cert: Certificate) -> bytes:
     """The sealed certificate bytes a peer presents (in its heartbeat and round records)."""
     payload = msgpack.packb([cert.run, cert.peer, cert.role, float(cert.expires_at)], use_bin_type=True)
-    return operator.seal(certificate_domain(cert.run), payload)
+    return CERTIFICATES.seal(operator, cert.run, payload)
 
 
 def read_certificate(raw: object, operator: str, run: str) -> Certificate | str:
     """The certificate in `raw` if `operator` sealed it for `run`, else the reason (a string)."""
+    payload = CERTIFICATES.open(operator, run, raw)
+    if isinstance(payload, str):
+        return f"certificate: {payload}"
     try:
-        payload = unseal(operator, certificate_domain(run), raw, MAX_CERTIFICATE_BYTES)
         fields = msgpack.unpackb(payload, raw=False, max_array_len=4, max_str_len=256)
-    except SealError as exc:
-        return f"certificate: {exc}"
     except Exception as exc:  # noqa: BLE001 - signed but malformed: still a rejection
         return f"certificate: undecodable ({type(exc).__name__})"
     if not (isinstance(fields, list) and len(fields) == 4):

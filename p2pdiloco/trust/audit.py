@@ -21,12 +21,12 @@ import msgpack
 
 from p2pdiloco import compress, wire
 from p2pdiloco.config import RunConfig
-from p2pdiloco.identity import Identity, SealError, is_peer_id, peek, unseal
+from p2pdiloco.identity import Identity, SignedKind, is_peer_id
 from p2pdiloco.outer.fragment import FragmentState, outer_update
 from p2pdiloco.outer.screening import Candidate, ScreeningRules
 from p2pdiloco.protocol.merge import history_from, max_tokens_per_step, merge_round
 from p2pdiloco.protocol.rounds import RoundRecord
-from p2pdiloco.wire.contributions import contribution_digest, open_contribution
+from p2pdiloco.wire.contributions import CONTRIBUTIONS, contribution_digest, open_contribution
 
 OK, MISMATCH, UNVERIFIABLE = "ok", "mismatch", "unverifiable"
 
@@ -43,10 +43,9 @@ def _candidate(
     run: str, record: RoundRecord, sealed: bytes, limits: wire.WireLimits, shapes: Mapping[str, tuple]
 ) -> Candidate | str:
     """The decoded contribution in `sealed`, checked against the record's round; or why not."""
-    try:
-        frame = peek(sealed, limits.max_frame_bytes + 256)
-    except SealError as exc:
-        return str(exc)
+    frame = CONTRIBUTIONS.peek(sealed, limits.max_frame_bytes + 256)
+    if isinstance(frame, str):
+        return frame
     msg = wire.decode_message(frame, limits)
     if isinstance(msg, wire.Rejected):
         return msg.reason
@@ -146,8 +145,9 @@ def notice_subkey(fragment: int, round_id: int, auditor: str) -> str:
     return f"{fragment}/{round_id}/{auditor}"
 
 
-def notice_domain(run: str) -> str:
-    return f"audit/{run}"
+NOTICES = SignedKind("audit", MAX_NOTICE_BYTES)
+"""Fraud notices, signed by their auditor."""
+notice_domain = NOTICES.domain
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ class FraudNotice:
 
 def seal_notice(identity: Identity, run: str, notice: FraudNotice) -> bytes:
     payload = msgpack.packb([notice.fragment, notice.round, notice.synchronizer, notice.digest])
-    return identity.seal(notice_domain(run), payload)
+    return NOTICES.seal(identity, run, payload)
 
 
 def open_notice(run: str, subkey: object, sealed: object) -> FraudNotice | str:
@@ -177,12 +177,11 @@ def open_notice(run: str, subkey: object, sealed: object) -> FraudNotice | str:
     fragment_text, round_text, auditor = subkey.split("/")
     if not is_peer_id(auditor):
         return "notice subkey names no peer"
+    payload = NOTICES.open(auditor, run, sealed)
+    if isinstance(payload, str):
+        return payload
     try:
-        fields = msgpack.unpackb(
-            unseal(auditor, notice_domain(run), sealed, MAX_NOTICE_BYTES), max_array_len=4, max_str_len=256
-        )
-    except SealError as exc:
-        return str(exc)
+        fields = msgpack.unpackb(payload, max_array_len=4, max_str_len=256)
     except Exception as exc:  # noqa: BLE001 - signed but malformed
         return f"undecodable notice ({type(exc).__name__})"
     if not (isinstance(fields, list) and len(fields) == 4):

@@ -15,7 +15,7 @@ from collections import OrderedDict
 
 import msgpack
 
-from p2pdiloco.identity import Identity, SealError, unseal
+from p2pdiloco.identity import Identity, SignedKind
 
 MAX_AUDIT_REQUEST_BYTES = 256
 KEPT_ROUNDS = 16
@@ -24,13 +24,14 @@ KEPT_BYTES = 512 << 20
 """Bound on the bytes of kept contributions; the oldest rounds go first."""
 
 
-def contribution_domain(run: str) -> str:
-    return f"contribution/{run}"
+CONTRIBUTIONS = SignedKind("contribution")
+"""Contributions, signed by their learner; bounded by the run's frame size when opened."""
+contribution_domain = CONTRIBUTIONS.domain
 
 
 def seal_contribution(identity: Identity, run: str, frame: bytes) -> bytes:
     """The request a learner sends: its frame with its signature."""
-    return identity.seal(contribution_domain(run), frame)
+    return CONTRIBUTIONS.seal(identity, run, frame)
 
 
 def contribution_digest(sealed: bytes) -> str:
@@ -40,10 +41,8 @@ def contribution_digest(sealed: bytes) -> str:
 
 def open_contribution(run: str, peer: str, sealed: bytes, max_bytes: int) -> bytes | str:
     """The frame inside `sealed` if `peer` signed it for `run`, else the reason (a string)."""
-    try:
-        return unseal(peer, contribution_domain(run), sealed, max_bytes)
-    except SealError as exc:
-        return f"contribution not signed by its sender: {exc}"
+    frame = CONTRIBUTIONS.open(peer, run, sealed, max_bytes)
+    return frame if isinstance(frame, bytes) else f"contribution not signed by its sender: {frame}"
 
 
 def encode_audit_request(round_id: int, fragment: int) -> bytes:

@@ -6,15 +6,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from p2pdiloco.cli import argv
+
 from .harness import PeerProcess, start_peer_process, start_peer_processes
 
-TINY_RUN = [
-    "model.preset='tiny'",
-    "model.seq_len=32",
-    "data.max_files=60",
-    "train.batch_size=2",
-    "train.device='cpu'",
-    "train.warmup_steps=5",
+TINY_RUN = [  # the package's tiny run with the tests' H and round deadline
+    *argv.TINY_RUN,
     "sync.inner_steps=10",
     "sync.round_deadline_s=60",
     # a test starts 3-6 peers, two tests at a time on a 2-core machine: learners training
@@ -36,12 +33,8 @@ def join_args(
     *, initial: list[str] | None = None, sets: list[str] = (), flags: list[str] = ()
 ) -> list[str]:
     """Arguments of `python -m p2pdiloco join` for a tiny test swarm."""
-    args = ["-m", "p2pdiloco", "join", "--events", "--heartbeat-s", "1", "--threads", "1"]
-    for item in [*TINY_RUN, *sets]:
-        args += ["--set", item]
-    if initial:
-        args += ["--initial-peers", *initial]
-    return [*args, *flags]
+    peers = ["--initial-peers", *initial] if initial else []
+    return argv.child_join_args(*peers, *flags, sets=[*TINY_RUN, *sets])
 
 
 def start_bootstrap(*flags: str) -> PeerProcess:

@@ -13,6 +13,8 @@ import uuid
 
 import pytest
 
+from p2pdiloco.cli.argv import child_join_args, set_args
+
 from .harness import REPO_ROOT, free_port
 from .swarm_util import TINY_RUN, Events, applied, start_bootstrap, start_peer_processes
 
@@ -29,14 +31,10 @@ def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     )
 
 
-def sets(*items: str) -> list[str]:
-    return [arg for item in items for arg in ("--set", item)]
-
-
 def test_demo_completes_with_falling_loss_and_identical_replicas(tmp_path) -> None:
     out = tmp_path / "demo.json"
-    tiny = sets(
-        "model.seq_len=32", "train.batch_size=2", "data.max_files=60", "sync.inner_steps=10"
+    tiny = set_args(
+        ["model.seq_len=32", "train.batch_size=2", "data.max_files=60", "sync.inner_steps=10"]
     )
     proc = run_cli(
         "demo",
@@ -68,23 +66,11 @@ def bootstrap_file(tmp_path):
 
 
 def test_join_from_a_bootstrap_file_forms_a_swarm_that_status_lists(bootstrap_file) -> None:
-    base = [
-        "-m",
-        "p2pdiloco",
-        "join",
-        "--events",
-        "--threads",
-        "1",
-        "--heartbeat-s",
-        "1",
-        "--run",
-        "testrun",
-        "--bootstrap-file",
-        str(bootstrap_file),
-    ]
-    peers = start_peer_processes(
-        [[*base, *sets(*TINY_RUN, "sync.min_quorum=2")] for _ in range(2)], ready_timeout_s=240
-    )
+    join = child_join_args(
+        "--run", "testrun", "--bootstrap-file", str(bootstrap_file),
+        sets=[*TINY_RUN, "sync.min_quorum=2"],
+    )  # fmt: skip
+    peers = start_peer_processes([join, join], ready_timeout_s=240)
     logs = [Events(p) for p in peers]
     for log in logs:
         log.wait(applied(0), 300)
@@ -95,7 +81,7 @@ def test_join_from_a_bootstrap_file_forms_a_swarm_that_status_lists(bootstrap_fi
         "testrun",
         "--bootstrap-file",
         str(bootstrap_file),
-        *sets(*TINY_RUN),
+        *set_args(TINY_RUN),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     status = json.loads(proc.stdout)
@@ -109,7 +95,7 @@ def test_join_from_a_bootstrap_file_forms_a_swarm_that_status_lists(bootstrap_fi
         "testrun",
         "--bootstrap-file",
         str(bootstrap_file),
-        *sets(*TINY_RUN, "sync.inner_steps=7"),
+        *set_args([*TINY_RUN, "sync.inner_steps=7"]),
     )
     assert other.returncode == 2 and "differs from the run's" in other.stderr.splitlines()[-1], (
         other.stderr[-2000:]
@@ -118,21 +104,10 @@ def test_join_from_a_bootstrap_file_forms_a_swarm_that_status_lists(bootstrap_fi
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (CI installs it)")
 def test_dashboard_shows_peer_rows_and_rounds_in_a_real_terminal(bootstrap_file) -> None:
-    base = [
-        "-m",
-        "p2pdiloco",
-        "join",
-        "--events",
-        "--threads",
-        "1",
-        "--heartbeat-s",
-        "1",
-        "--bootstrap-file",
-        str(bootstrap_file),
-    ]
-    peers = start_peer_processes(
-        [[*base, *sets(*TINY_RUN, "sync.min_quorum=2")] for _ in range(2)], ready_timeout_s=240
+    join = child_join_args(
+        "--bootstrap-file", str(bootstrap_file), sets=[*TINY_RUN, "sync.min_quorum=2"]
     )
+    peers = start_peer_processes([join, join], ready_timeout_s=240)
     for log in [Events(p) for p in peers]:
         log.wait(applied(0), 300)
     session = f"p2pd-{uuid.uuid4().hex[:8]}"
@@ -183,13 +158,13 @@ def test_bad_inputs_each_give_one_line_and_exit_code_2(tmp_path) -> None:
         taken.listen()
         port = taken.getsockname()[1]
         assert "already in use" in _one_error_line(
-            run_cli("join", "--new-run", "--port", str(port), *sets(*TINY_RUN))
+            run_cli("join", "--new-run", "--port", str(port), *set_args(TINY_RUN))
         )
     dead = (
         f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/12D3KooWEKA2Q78SUehS68gSmBu9ARDrqrWQd82a3w8KXMPyEbEp"
     )
     line = _one_error_line(
-        run_cli("join", "--startup-timeout-s", "10", "--initial-peers", dead, *sets(*TINY_RUN))
+        run_cli("join", "--startup-timeout-s", "10", "--initial-peers", dead, *set_args(TINY_RUN))
     )
     assert "initial peers" in line
 
@@ -211,15 +186,13 @@ def test_checkpoint_is_saved_on_leaving_and_restored_on_start(tmp_path) -> None:
         "12",
         "--checkpoint-dir",
         str(ckpt),
-        *sets(*TINY_RUN),
+        *set_args(TINY_RUN),
     ]
     first = Events(start_peer_process(args, ready_timeout_s=240))
     saved = first.wait(lambda e: e.get("event") == "checkpoint_saved", 300)
     assert saved["step"] == 12 and (ckpt / "learner.pt").exists()
     assert first.peer.popen.wait(60) == 0
-    second = Events(
-        start_peer_process([*args[: -len(sets(*TINY_RUN))], *sets(*TINY_RUN)], ready_timeout_s=240)
-    )
+    second = Events(start_peer_process(args, ready_timeout_s=240))
     second.wait(lambda e: e.get("event") == "checkpoint_saved", 300)
     loaded = [e for e in second.seen if e.get("event") == "checkpoint_loaded"]
     assert loaded and loaded[0]["step"] == 12

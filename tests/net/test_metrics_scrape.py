@@ -10,6 +10,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from p2pdiloco.cli.argv import set_args
+
 from .harness import REPO_ROOT, free_port, start_peer_process
 from .swarm_util import TINY_RUN, Events, join_args
 
@@ -72,7 +74,7 @@ def test_a_metrics_port_in_use_is_one_error_line() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        sets = [arg for item in TINY_RUN for arg in ("--set", item)]
+        sets = set_args(TINY_RUN)
         proc = subprocess.run(
             [sys.executable, "-m", "p2pdiloco", "join", "--new-run", "--metrics-port", str(port), *sets],
             capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
