@@ -42,6 +42,12 @@ def local_params(learner) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in learner.trainer.model.named_parameters()}
 
 
+def ship(learner, fragment: int) -> None:
+    """Stage the fragment's delta and send it now (what the loop does over two steps)."""
+    learner.stage(fragment)
+    learner.send_staged([fragment])
+
+
 def train(learner, steps: int = 1) -> None:
     """Inner steps, counted as the loop counts them."""
     for _ in range(steps):
@@ -72,10 +78,10 @@ def test_a_delta_is_never_taken_against_a_base_the_replica_has_passed(tiny_confi
     train(learner)
     local_before = local_params(learner)
     apply(state)
-    learner.ship(0)
+    ship(learner, 0)
     assert sent == [] and learner.due == {0}
     learner.take_over_updates()
-    learner.ship(0)
+    ship(learner, 0)
     msg, delta = sent_delta(sent)
     assert msg.meta["base_round"] == 1 and sent[0][1] == 1
     assert msg.meta["steps"] == 1
@@ -91,7 +97,7 @@ def test_merged_delta_is_booked_and_leaves_the_model_only_when_the_record_lists_
     learner.contributors_of = lambda f, r: listed.get((f, r))
     train(learner, 3)
     shipped_local = local_params(learner)
-    learner.ship(0)
+    ship(learner, 0)
     sent[0][3].set_result(Outcome("merged", 0, 0, "sync", 0.5))
     learner.collect_outcomes()
     assert learner.progress.rounds_contributed == 0, "a reply alone books nothing"
@@ -116,7 +122,7 @@ def test_a_second_update_before_the_next_ship_keeps_every_local_step(tiny_config
     learner.contributors_of = lambda f, r: listed.get((f, r))
     train(learner, 2)
     shipped_local = local_params(learner)
-    learner.ship(0)
+    ship(learner, 0)
     sent[0][3].set_result(Outcome("merged", 0, 0, "sync", 1.0))
     train(learner, 1)
     learner.collect_outcomes()
@@ -141,7 +147,7 @@ def test_a_delta_no_round_merged_is_folded_into_the_next_one(tiny_config, tiny_c
     learner.on_event = events.append
     base_before = {n: t.clone() for n, t in state.fragment_params(0)[1].items()}
     train(learner, 2)
-    learner.ship(0)
+    ship(learner, 0)
     sent[0][3].set_result(Outcome(status, 0, 0, "sync"))
     learner.collect_outcomes()
     assert 0 not in learner.in_flight and (0, 0) in learner.folded
@@ -151,7 +157,7 @@ def test_a_delta_no_round_merged_is_folded_into_the_next_one(tiny_config, tiny_c
     if status == "late":
         apply(state)  # the round closed without us
         learner.take_over_updates()
-    learner.ship(0)
+    ship(learner, 0)
     msg, delta = sent_delta(sent)
     assert msg.meta["steps"] == 3 and learner.ledgers[0].steps == 3, "one claim carries all three"
     assert close(delta, {n: base_before[n] - local_before[n] for n in delta}, atol=0.05)
@@ -164,7 +170,7 @@ def test_a_refused_delta_is_reported_lost_and_leaves_the_model(tiny_config, tiny
     learner.on_event = events.append
     train(learner, 2)
     shipped_local = local_params(learner)
-    learner.ship(0)
+    ship(learner, 0)
     train(learner, 1)
     before = local_params(learner)
     sent[0][3].set_result(Outcome("rejected", 0, 0, "sync", reason="norm above the refusal"))
@@ -184,7 +190,7 @@ def test_a_rival_record_moves_a_decided_delta_back_or_out(tiny_config, tiny_corp
     learner, state, sent = make_learner(config, tiny_corpus)
     learner.contributors_of = lambda f, r: listed.get((f, r))
     train(learner, 2)
-    learner.ship(0)
+    ship(learner, 0)
     sent[0][3].set_result(Outcome("merged", 0, 0, "sync", 1.0))
     learner.collect_outcomes()
     apply(state)
@@ -198,7 +204,7 @@ def test_a_rival_record_moves_a_decided_delta_back_or_out(tiny_config, tiny_corp
     assert (0, 0) not in learner.booked
     # and the other way round: a folded delta whose round a record listing it wins
     train(learner, 1)
-    learner.ship(0)
+    ship(learner, 0)
     sent[-1][3].set_result(Outcome("late", 1, 0, "sync"))
     learner.collect_outcomes()
     assert (0, 1) in learner.folded
@@ -315,7 +321,7 @@ def test_a_restart_keeps_the_checkpointed_local_work_on_the_new_global(tiny_conf
     learner, state, sent = make_learner(tiny_config, tiny_corpus)
     train(learner, 3)
     shipped_local = local_params(learner)
-    learner.ship(0)  # 3 steps on their way, never answered: the process dies
+    ship(learner, 0)  # 3 steps on their way, never answered: the process dies
     train(learner, 2)
     kept = {n: local_params(learner)[n] - shipped_local[n] for n in shipped_local}
     save_learner(tmp_path, learner, "hash")
@@ -340,14 +346,14 @@ def test_no_delta_goes_to_a_round_the_swarm_closed_while_the_replica_cannot_foll
     ships again once the take-over moves its base."""
     learner, state, sent = make_learner(tiny_config, tiny_corpus)
     train(learner, 2)
-    learner.ship(0)
+    ship(learner, 0)
     sent[0][3].set_result(Outcome("late", 0, 0, "sync"))
     learner.collect_outcomes()
     train(learner, 1)
-    learner.ship(0)
+    ship(learner, 0)
     assert len(sent) == 1 and 0 in learner.due, "held back: round 0 is closed, the replica is at 0"
     apply(state)  # the update arrives after all
     learner.take_over_updates()
-    learner.ship(0)
+    ship(learner, 0)
     assert len(sent) == 2 and sent[1][1] == 1
 

@@ -9,10 +9,10 @@ import pytest
 
 from p2pdiloco.identity import Identity
 from p2pdiloco.protocol.membership import (
+    HEARTBEATS,
     PROTOCOL_VERSION,
     Heartbeat,
     decode_heartbeat,
-    heartbeat_domain,
     learners,
     live_members,
     open_heartbeat,
@@ -41,7 +41,7 @@ def test_live_membership_drops_expired_foreign_unsigned_and_malformed_records() 
     records = {
         ID["A"]: (sealed("A"), 105.0),
         ID["B"]: (sealed("B"), 99.0),  # expired
-        ID["C"]: (KEYS["C"].seal(heartbeat_domain(RUN), other_protocol), 105.0),
+        ID["C"]: (KEYS["C"].seal(HEARTBEATS.domain(RUN), other_protocol), 105.0),
         ID["D"]: (b"\xff\x00garbage", 105.0),
         ID["E"]: (sealed("A"), 105.0),  # A's signed beat replayed under E's subkey
         ID["F"]: (sealed("F", client_mode=True), 105.0),
@@ -60,7 +60,7 @@ def test_a_forged_heartbeat_for_an_honest_peer_is_refused() -> None:
     """The attack seen: status=leaving, client_mode=true written for someone else."""
     forger = Identity.generate()
     forged = forger.seal(
-        heartbeat_domain(RUN), Heartbeat(peer_id=ID["A"], status="leaving", client_mode=True).encode()
+        HEARTBEATS.domain(RUN), Heartbeat(peer_id=ID["A"], status="leaving", client_mode=True).encode()
     )
     live, rejected = live_members(RUN, {ID["A"]: (forged, 1e12)}, 0.0)
     assert not live and "bad signature" in rejected[ID["A"]]
@@ -97,7 +97,7 @@ def test_fake_ids_are_not_members() -> None:
 def test_a_signed_heartbeat_with_a_bad_field_is_a_rejection_not_an_exception(field, value) -> None:
     data = msgpack.unpackb(Heartbeat(peer_id=ID["A"]).encode(), raw=False)
     data[field] = value
-    raw = KEYS["A"].seal(heartbeat_domain(RUN), msgpack.packb(data, use_bin_type=True))
+    raw = KEYS["A"].seal(HEARTBEATS.domain(RUN), msgpack.packb(data, use_bin_type=True))
     live, rejected = live_members(RUN, {ID["A"]: (raw, 10.0)}, 0.0, config_hash="abc")
     assert not live and ID["A"] in rejected
 

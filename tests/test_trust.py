@@ -17,7 +17,7 @@ from p2pdiloco.identity import (
     unseal,
     verify,
 )
-from p2pdiloco.protocol.membership import Heartbeat, heartbeat_domain, members_key, seal_heartbeat
+from p2pdiloco.protocol.membership import HEARTBEATS, Heartbeat, members_key, seal_heartbeat
 from p2pdiloco.protocol.rounds import RoundRecord, record_subkey, rounds_key, seal_record
 from p2pdiloco.trust.admission import Admission, Certificate, issue_certificate, read_certificate
 from p2pdiloco.trust.record_rules import HEARTBEAT_MAX_TTL_S, RunRecordRules, bootstrap_rules
@@ -184,7 +184,7 @@ def test_a_certified_run_stores_round_records_only_from_certified_synchronizers(
 def test_the_forged_values_of_the_attack_never_get_past_the_rules() -> None:
     """The attack seen: leaving/client-mode beats for honest peers, a plain members value."""
     forged = OTHER.seal(
-        heartbeat_domain(RUN),
+        HEARTBEATS.domain(RUN),
         Heartbeat(peer_id=PEER.peer_id, status="leaving", client_mode=True).encode(),
     )
     assert RULES.check(members_key(RUN), PEER.peer_id, forged, NOW + 10, NOW) is not None

@@ -8,7 +8,6 @@ from p2pdiloco.protocol.windows import (
     RunningMean,
     clamp_tokens,
     grace_window_s,
-    norm_outliers,
     quorum_met,
     should_close,
     staleness_rejection,
@@ -63,12 +62,6 @@ def test_window_closes_after_grace_or_at_once_when_everyone_arrived() -> None:
     assert not should_close(now=10.5, quorum_time=10.0, grace_s=1.0, num_arrived=2, num_expected=3)
     assert should_close(now=11.0, quorum_time=10.0, grace_s=1.0, num_arrived=2, num_expected=3)
     assert should_close(now=10.0, quorum_time=10.0, grace_s=1.0, num_arrived=3, num_expected=3)
-
-
-def test_norm_outliers_need_a_majority() -> None:
-    assert norm_outliers([1.0, 100.0], 10.0) == [False, False]
-    assert norm_outliers([1.0, 1.2, 0.9, 50.0], 10.0) == [False, False, False, True]
-    assert norm_outliers([1.0, 1.2, 0.9, 0.01], 10.0) == [False, False, False, True]
 
 
 def test_staleness_and_token_claims() -> None:

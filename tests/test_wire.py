@@ -20,9 +20,7 @@ from p2pdiloco.wire import (
     MAGIC,
     OUTER_UPDATE,
     PROTOCOL_VERSION,
-    STATE_CHUNK,
     STATE_REQUEST,
-    ChunkAssembler,
     Message,
     MessageKind,
     Rejected,
@@ -31,8 +29,6 @@ from p2pdiloco.wire import (
     decode_tensors,
     encode_message,
     frames,
-    iter_chunks,
-    message_kinds,
     register_kind,
 )
 
@@ -89,12 +85,10 @@ def test_a_contribution_round_trips(codec: str) -> None:
 
 
 def test_every_builtin_kind_round_trips() -> None:
-    assert {CONTRIBUTION, OUTER_UPDATE, STATE_REQUEST, STATE_CHUNK} <= set(message_kinds())
     tensors = encode_tensors(make_codec("fp32"), {"x": torch.ones(3)})
     for msg in [
         Message(OUTER_UPDATE, "r", 1, 0, {"peer": "s", "contributors": ["a", "b"]}, tensors),
         Message(STATE_REQUEST, "r", 0, 0, {"peer": "new"}),
-        Message(STATE_CHUNK, "r", 9, 0, {"peer": "old", "index": 0, "total": 3}, tensors),
     ]:
         assert decode_message(encode_message(msg), LIMITS) == msg
 
@@ -354,44 +348,3 @@ def test_wrong_types_in_any_header_field_are_rejected(
     assert isinstance(decode_fully(data), Rejected | Message)
 
 
-# ---------------------------------------------------------------------------------------
-# chunked streams
-
-
-@settings(max_examples=examples(50), deadline=None)
-@given(data=st.binary(max_size=2000), chunk=st.integers(1, 300))
-def test_chunks_reassemble_to_the_frame(data: bytes, chunk: int) -> None:
-    chunks = list(iter_chunks(data, chunk))
-    assert all(0 < len(c) <= chunk for c in chunks) and b"".join(chunks) == data
-    assembler = ChunkAssembler(len(data), max_total_bytes=4096)
-    for c in chunks:
-        assert assembler.add(c) is None
-    assert assembler.complete and assembler.finish() == data
-
-
-def test_assembler_rejects_past_the_declared_total_and_the_hard_max() -> None:
-    declared = ChunkAssembler(10, max_total_bytes=100)
-    assert declared.add(b"x" * 6) is None
-    assert "exceed 10 bytes" in declared.add(b"x" * 6).reason
-    assert declared.add(b"x") is declared.rejected  # stays rejected
-    assert isinstance(declared.finish(), Rejected) and declared.received_bytes == 0
-    liar = ChunkAssembler(10**12, max_total_bytes=100)
-    assert "exceeds the limit" in liar.add(b"x").reason
-    assert "byte count" in ChunkAssembler(-1, max_total_bytes=100).finish().reason
-    undeclared = ChunkAssembler(None, max_total_bytes=5)
-    assert undeclared.add(b"abc") is None and undeclared.finish() == b"abc"
-    assert "exceed 5 bytes" in undeclared.add(b"abc").reason
-    short = ChunkAssembler(10, max_total_bytes=100)
-    short.add(b"abc")
-    assert not short.complete and "after 3 of 10" in short.finish().reason
-    with pytest.raises(ValueError, match="chunk_bytes"):
-        list(iter_chunks(b"abc", 0))
-
-
-def test_an_assembled_frame_decodes() -> None:
-    msg = contribution()
-    data = encode_message(msg)
-    assembler = ChunkAssembler(len(data), max_total_bytes=LIMITS.max_frame_bytes)
-    for chunk in iter_chunks(data, 64):
-        assembler.add(chunk)
-    assert decode_message(assembler.finish(), LIMITS) == msg

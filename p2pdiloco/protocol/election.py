@@ -29,9 +29,3 @@ def synchronizer_order(
     return sorted(unique, key=lambda p: (-rendezvous_score(run, round_id, fragment_id, p), p))
 
 
-def elect_synchronizer(
-    run: str, round_id: int, fragment_id: int, peer_ids: Iterable[str]
-) -> str | None:
-    """The synchronizer of (round, fragment), or None when there is no candidate."""
-    order = synchronizer_order(run, round_id, fragment_id, peer_ids)
-    return order[0] if order else None

@@ -88,7 +88,6 @@ class Heartbeat:
 MAX_HEARTBEAT_BYTES = 1 << 14
 HEARTBEATS = SignedKind("heartbeat", MAX_HEARTBEAT_BYTES)
 """Heartbeats, signed by the peer they speak for."""
-heartbeat_domain = HEARTBEATS.domain
 MAX_MEMBERS = 4096
 """Heartbeats read per refresh; a run this large needs a hierarchy, not one key."""
 _STATUSES = ("starting", "training", "syncing", "straggling", "leaving")

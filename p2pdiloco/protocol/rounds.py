@@ -187,7 +187,6 @@ def decode_round_record(raw: bytes) -> RoundRecord | None:
 
 ROUND_RECORDS = SignedKind("round", MAX_RECORD_BYTES + 128)
 """Round records, signed by their synchronizer (128 bytes: the seal's envelope)."""
-record_domain = ROUND_RECORDS.domain
 
 
 def seal_record(identity: Identity, run: str, record: RoundRecord) -> bytes:
@@ -272,18 +271,3 @@ def canonical_chain(
     return chain
 
 
-def beats(run: str, challenger: RoundRecord, holder: RoundRecord) -> bool:
-    """True when `challenger` wins over `holder` for the same (round, fragment, parent)."""
-    return rank(run, challenger) < rank(run, holder)
-
-
-@dataclass
-class ChainView:
-    """One peer's reading of a fragment's records: the canonical chain and its head round."""
-
-    chain: dict[int, RoundRecord] = field(default_factory=dict)
-
-    @property
-    def next_round(self) -> int:
-        """The first round the chain has not committed yet."""
-        return max(self.chain) + 1 if self.chain else 0

@@ -8,8 +8,6 @@ token claims). The networked `synchronizer` calls these and owns the clock.
 from __future__ import annotations
 
 import math
-import statistics
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -105,20 +103,6 @@ class RunningMean:
 
     def get(self, default: float) -> float:
         return default if self.value is None else self.value
-
-
-def norm_outliers(norms: Sequence[float], factor: float) -> list[bool]:
-    """Which deltas are outliers: norm above factor x median or below median / factor.
-
-    With fewer than three deltas there is no majority to tell who is off, so none is
-    flagged by norm (they still pass the finiteness and shape checks of `wire`).
-    """
-    if len(norms) < 3:
-        return [False] * len(norms)
-    median = statistics.median(norms)
-    if median <= 0.0:
-        return [n > 0.0 for n in norms]
-    return [n > factor * median or n < median / factor for n in norms]
 
 
 def staleness_rejection(base_round: int, current_round: int, max_staleness: int) -> str | None:

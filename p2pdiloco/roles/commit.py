@@ -43,7 +43,12 @@ from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.roles.window import Window
 from p2pdiloco.transport.base import Transport, TransportError, transfer_timeout_s
 from p2pdiloco.wire import messages
-from p2pdiloco.wire.contributions import ContributionStore, contribution_digest
+from p2pdiloco.wire.contributions import (
+    ContributionStore,
+    contribution_digest,
+    decode_audit_request,
+    encode_contribution_list,
+)
 from p2pdiloco.wire.updates import Update, new_update
 
 log = logging.getLogger(__name__)
@@ -112,6 +117,16 @@ class Committer:
     @property
     def peer_id(self) -> str:
         return self.transport.peer_id
+
+    async def rpc_get_contributions(self, caller: str, request: bytes) -> bytes:
+        """The signed contributions of a round this peer committed (for auditors)."""
+        asked = decode_audit_request(request)
+        if isinstance(asked, str):
+            raise ValueError(asked)
+        kept = self.kept.get(*asked)
+        if kept is None:
+            raise LookupError(f"contributions of round {asked[0]} fragment {asked[1]} are not kept here")
+        return encode_contribution_list(kept)
 
     # --- 1. merge ---------------------------------------------------------------------------
 

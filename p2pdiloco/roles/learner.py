@@ -322,11 +322,6 @@ class Learner:
 
     # --- ship a fragment ----------------------------------------------------------------
 
-    def ship(self, fragment: int) -> None:
-        """Encode this fragment's delta against its global base and hand it to the network."""
-        self.stage(fragment)
-        self.send_staged([fragment])
-
     def stage(self, fragment: int) -> None:
         """Start copying this fragment to the host, with the base and claim its delta is
         taken against; `send_staged` encodes and sends it once the copy landed.

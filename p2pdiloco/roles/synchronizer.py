@@ -39,8 +39,6 @@ from p2pdiloco.roles.window import Window
 from p2pdiloco.transport.base import Transport
 from p2pdiloco.wire import messages
 from p2pdiloco.wire.contributions import (
-    decode_audit_request,
-    encode_contribution_list,
     open_contribution,
 )
 
@@ -102,18 +100,8 @@ class Synchronizer:
             f"{self.run}.{messages.RPC_CONTRIBUTE}", self.rpc_contribute, self.limits.max_frame_bytes + 256
         )
         await self.transport.register_handler(
-            f"{self.run}.{messages.RPC_GET_CONTRIBUTIONS}", self.rpc_get_contributions, 256
+            f"{self.run}.{messages.RPC_GET_CONTRIBUTIONS}", self.committer.rpc_get_contributions, 256
         )
-
-    async def rpc_get_contributions(self, caller: str, request: bytes) -> bytes:
-        """The signed contributions of a round this peer committed (for auditors)."""
-        asked = decode_audit_request(request)
-        if isinstance(asked, str):
-            raise ValueError(asked)
-        kept = self.committer.kept.get(*asked)
-        if kept is None:
-            raise LookupError(f"contributions of round {asked[0]} fragment {asked[1]} are not kept here")
-        return encode_contribution_list(kept)
 
     async def shutdown(self, finish_s: float = 20.0) -> None:
         """Leave. A window still collecting is answered "leaving" (its learners resend to the
@@ -167,7 +155,8 @@ class Synchronizer:
         frame = open_contribution(self.run, caller, request, self.limits.max_frame_bytes + 256)
         if isinstance(frame, str):
             return self._reject(-1, -1, frame, caller)
-        refusal = self._learner_refusal(caller)
+        beat = self.members().get(caller)
+        refusal = self.replicas.entitlement.learner_refusal(caller, beat.certificates if beat is not None else ())
         if refusal:
             return self._reject(-1, -1, refusal, caller)
         msg = wire.decode_message(frame, self.limits)
@@ -222,16 +211,6 @@ class Synchronizer:
         if refused.status == messages.LATE:
             return self._late_reply(refused.round, refused.fragment, refused.reason)
         return self._status(refused.round, refused.fragment, refused.status, reason=refused.reason)
-
-    def _learner_refusal(self, caller: str) -> str | None:
-        """Why the run does not admit `caller`'s contributions (None: it does)."""
-        admission = self.replicas.entitlement.admission
-        if admission.learners == "open":
-            return None
-        beat = self.members().get(caller)
-        certificates = beat.certificates if beat is not None else ()
-        refusal = admission.learner_refusal(self.run, caller, certificates, self.transport.now())
-        return f"learner not admitted: {refusal}" if refusal else None
 
     def elected_elsewhere(self, round_id: int, fragment: int, unreachable: set[str] = frozenset()) -> str | None:
         """The peer above us in the rendezvous order of (round, fragment), or None if we top it.

@@ -290,7 +290,7 @@ class RankedTrainer(InnerTrainer):
 def follow_lead(group: RankGroup, config: RunConfig) -> int:
     """The life of a rank other than 0: take inner steps beside rank 0 until it stops.
 
-    Builds what `PeerDaemon._build` builds for training, in the same order of collectives
+    Builds what `peer.build.build_training` builds for training, in the same order of collectives
     (data rank, then DDP), and nothing of the network. Returns an exit code.
     """
     if config.peer.torch_threads > 0:

@@ -28,7 +28,6 @@ MAX_CERTIFICATES = 4
 
 CERTIFICATES = SignedKind("certificate", MAX_CERTIFICATE_BYTES)
 """Certificates, signed by the run's operator."""
-certificate_domain = CERTIFICATES.domain
 
 
 @dataclass(frozen=True)

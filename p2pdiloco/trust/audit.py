@@ -147,7 +147,6 @@ def notice_subkey(fragment: int, round_id: int, auditor: str) -> str:
 
 NOTICES = SignedKind("audit", MAX_NOTICE_BYTES)
 """Fraud notices, signed by their auditor."""
-notice_domain = NOTICES.domain
 
 
 @dataclass(frozen=True)

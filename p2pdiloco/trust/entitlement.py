@@ -1,5 +1,6 @@
-"""Who may synchronize in a run, as one peer sees it now: the run's admission (operator
-certificates) less the synchronizers this peer proved to have published a false merge."""
+"""Who may synchronize and learn in a run, as one peer sees it now: the run's admission
+(operator certificates) less the synchronizers this peer proved to have published a false
+merge."""
 
 from __future__ import annotations
 
@@ -31,6 +32,13 @@ class Entitlement:
         if beat.peer_id in self.banned:
             return False
         return self.admission.synchronizer_refusal(self.run, beat.peer_id, beat.certificates, self.now()) is None
+
+    def learner_refusal(self, peer: str, certificates: tuple[bytes, ...]) -> str | None:
+        """Why the run does not admit `peer`'s contributions (None: it does)."""
+        if self.admission.learners == "open":
+            return None
+        refusal = self.admission.learner_refusal(self.run, peer, certificates, self.now())
+        return f"learner not admitted: {refusal}" if refusal else None
 
     def entitled(self, record: RoundRecord) -> bool:
         """Whether the run entitled the record's synchronizer to commit it."""

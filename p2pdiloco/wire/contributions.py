@@ -26,7 +26,6 @@ KEPT_BYTES = 512 << 20
 
 CONTRIBUTIONS = SignedKind("contribution")
 """Contributions, signed by their learner; bounded by the run's frame size when opened."""
-contribution_domain = CONTRIBUTIONS.domain
 
 
 def seal_contribution(identity: Identity, run: str, frame: bytes) -> bytes:
@@ -102,6 +101,3 @@ class ContributionStore:
     def get(self, round_id: int, fragment: int) -> list[bytes] | None:
         return self._rounds.get((round_id, fragment))
 
-    @property
-    def bytes_kept(self) -> int:
-        return self._bytes

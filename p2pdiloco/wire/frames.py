@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,9 +37,7 @@ __all__ = [
     "MAX_STEP_TIME_S",
     "OUTER_UPDATE",
     "PROTOCOL_VERSION",
-    "STATE_CHUNK",
     "STATE_REQUEST",
-    "ChunkAssembler",
     "Message",
     "MessageKind",
     "Rejected",
@@ -48,8 +46,6 @@ __all__ = [
     "decode_tensors",
     "lazy_tensors",
     "encode_message",
-    "iter_chunks",
-    "message_kinds",
     "register_kind",
 ]
 
@@ -146,8 +142,6 @@ OUTER_UPDATE = "outer_update"
 """synchronizer -> everyone: the merged outer gradient of (round, fragment)."""
 STATE_REQUEST = "state_request"
 """newcomer -> peer: please send the global state."""
-STATE_CHUNK = "state_chunk"
-"""peer -> newcomer: chunk `index` of `total` of the global state."""
 
 _KINDS: dict[str, MessageKind] = {}
 
@@ -157,11 +151,6 @@ def register_kind(kind: MessageKind, *, replace: bool = False) -> None:
     if kind.name in _KINDS and not replace:
         raise ValueError(f"message kind {kind.name!r} is already registered")
     _KINDS[kind.name] = kind
-
-
-def message_kinds() -> dict[str, MessageKind]:
-    """The registered kinds by name (a copy)."""
-    return dict(_KINDS)
 
 
 register_kind(
@@ -201,13 +190,6 @@ register_kind(
         optional={"part": "uint"},
         bounds={"part": (0, MAX_COUNT)},
         carries_tensors=False,
-    )
-)
-register_kind(
-    MessageKind(
-        STATE_CHUNK,
-        required={"peer": "str", "index": "uint", "total": "uint"},
-        bounds={"index": (0, MAX_COUNT), "total": (0, MAX_COUNT)},
     )
 )
 
@@ -568,91 +550,3 @@ def _tensors_of(
 # chunked streams
 
 
-def iter_chunks(data: bytes | bytearray | memoryview, chunk_bytes: int) -> Iterator[memoryview]:
-    """Zero-copy slices of at most `chunk_bytes` bytes covering `data` in order."""
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be an int >= 1, got {chunk_bytes!r}")
-    view = memoryview(data).cast("B")
-    for start in range(0, len(view), chunk_bytes):
-        yield view[start : start + chunk_bytes]
-
-
-class ChunkAssembler:
-    """Collects the chunks of one frame, refusing to hold more than it may.
-
-    `declared_total_bytes` is what the sender announced (None if it did not); the
-    assembler never pre-allocates it (a liar could announce the maximum and send
-    nothing) and rejects as soon as the chunks pass it or `max_total_bytes`.
-    """
-
-    def __init__(self, declared_total_bytes: int | None, max_total_bytes: int) -> None:
-        if (
-            isinstance(max_total_bytes, bool)
-            or not isinstance(max_total_bytes, int)
-            or max_total_bytes < 0
-        ):
-            raise ValueError(f"max_total_bytes must be an int >= 0, got {max_total_bytes!r}")
-        self.max_total_bytes = max_total_bytes
-        self.declared_total_bytes = declared_total_bytes
-        self._buffer = bytearray()
-        self._rejected: Rejected | None = None
-        if declared_total_bytes is not None:
-            if (
-                isinstance(declared_total_bytes, bool)
-                or not isinstance(declared_total_bytes, int)
-                or declared_total_bytes < 0
-            ):
-                self._rejected = Rejected(
-                    f"declared total {_short(declared_total_bytes)} is not a byte count"
-                )
-            elif declared_total_bytes > max_total_bytes:
-                self._rejected = Rejected(
-                    f"declared total of {declared_total_bytes} bytes "
-                    f"exceeds the limit of {max_total_bytes}"
-                )
-
-    @property
-    def received_bytes(self) -> int:
-        """Bytes accepted so far."""
-        return len(self._buffer)
-
-    @property
-    def rejected(self) -> Rejected | None:
-        """Why the stream was refused, once it was."""
-        return self._rejected
-
-    @property
-    def complete(self) -> bool:
-        """Whether exactly the declared total has arrived (never true without a declaration)."""
-        return self._rejected is None and self.declared_total_bytes == len(self._buffer)
-
-    def add(self, chunk: bytes | bytearray | memoryview) -> Rejected | None:
-        """Accept one chunk; Rejected (now and for every later call) once past a limit."""
-        if self._rejected is not None:
-            return self._rejected
-        if not isinstance(chunk, bytes | bytearray | memoryview):
-            self._rejected = Rejected(f"chunk must be bytes, got {type(chunk).__name__}")
-            return self._rejected
-        size = memoryview(chunk).nbytes
-        limit = self.max_total_bytes
-        if self.declared_total_bytes is not None:
-            limit = self.declared_total_bytes
-        if len(self._buffer) + size > limit:
-            self._rejected = Rejected(
-                f"chunks exceed {limit} bytes ({len(self._buffer) + size} received)"
-            )
-            self._buffer = bytearray()  # let the memory go now
-            return self._rejected
-        self._buffer += chunk
-        return None
-
-    def finish(self) -> bytes | Rejected:
-        """The whole frame once the stream ended, or why it is refused (e.g. it was short)."""
-        if self._rejected is not None:
-            return self._rejected
-        if self.declared_total_bytes is not None and len(self._buffer) != self.declared_total_bytes:
-            return Rejected(
-                f"stream ended after {len(self._buffer)} of "
-                f"{self.declared_total_bytes} declared bytes"
-            )
-        return bytes(self._buffer)

@@ -188,9 +188,6 @@ class UpdateStore:
         ):
             kept.popitem(last=False)
 
-    def bytes_kept(self) -> int:
-        return sum(u.nbytes for kept in self._frames.values() for u in kept.values())
-
     def get(self, fragment: int, digest: str) -> Update | None:
         return self._frames.get(fragment, {}).get(digest)
 

@@ -25,9 +25,9 @@ import torch
 from p2pdiloco import compress, wire
 from p2pdiloco.identity import Identity
 from p2pdiloco.protocol.membership import (
+    HEARTBEATS,
     PROTOCOL_VERSION,
     Heartbeat,
-    heartbeat_domain,
     members_key,
     open_heartbeat,
 )
@@ -64,7 +64,7 @@ class Adversary:
         stored = []
         for victim in self.victims:
             beat = Heartbeat(peer_id=victim, status="leaving", client_mode=True, config_hash="x")
-            forged = self.me.seal(heartbeat_domain(self.run), beat.encode())
+            forged = self.me.seal(HEARTBEATS.domain(self.run), beat.encode())
             unsigned = beat.encode()
             for value in (forged, unsigned):
                 stored.append(
@@ -75,7 +75,7 @@ class Adversary:
         # a malformed but self-signed beat: rounds=[inf], config_hash=5
         data = msgpack.unpackb(Heartbeat(peer_id=self.me.peer_id).encode(), raw=False)
         data.update(rounds=[float("inf")], config_hash=5, protocol=PROTOCOL_VERSION)
-        raw = self.me.seal(heartbeat_domain(self.run), msgpack.packb(data, use_bin_type=True))
+        raw = self.me.seal(HEARTBEATS.domain(self.run), msgpack.packb(data, use_bin_type=True))
         stored.append(
             await self.transport.store(
                 members_key(self.run), self.me.peer_id, raw, self.transport.now() + 60
@@ -85,7 +85,7 @@ class Adversary:
 
     async def plain_values(self) -> dict:
         """What a stock hivemind client can do: a plain value over a whole dictionary key."""
-        dht = self.transport._dht  # the hivemind DHT under our transport
+        dht = self.transport._daemon.dht  # the hivemind DHT under our transport
         results = []
         for key in (members_key(self.run), rounds_key(self.run, 0)):
             future = dht.store(
@@ -95,7 +95,7 @@ class Adversary:
         return {"stored": results}
 
     async def fake_members(self, count: int = 1000) -> dict:
-        beat = self.me.seal(heartbeat_domain(self.run), Heartbeat(peer_id=self.me.peer_id).encode())
+        beat = self.me.seal(HEARTBEATS.domain(self.run), Heartbeat(peer_id=self.me.peer_id).encode())
         stored = 0
         for start in range(0, count, 100):
             batch = [

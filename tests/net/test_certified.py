@@ -19,7 +19,8 @@ import sys
 import pytest
 from safetensors import safe_open
 
-from p2pdiloco.protocol.election import elect_synchronizer
+from p2pdiloco.cli.argv import child_join_args, set_args
+from p2pdiloco.protocol.election import synchronizer_order
 
 from .harness import start_peer_processes, write_identity
 from .swarm_util import TINY_RUN, Events, applied, start_bootstrap, wait_all
@@ -43,9 +44,7 @@ def p2pdiloco(*args: str, env: dict[str, str], timeout: float = 120) -> subproce
 def test_only_certified_peers_synchronize_a_certified_run(tmp_path) -> None:
     env = {**os.environ, "P2PDILOCO_HOME": str(tmp_path / "home")}
     manifest, key = tmp_path / "certrun.toml", tmp_path / "operator.key"
-    run_sets = [
-        a for item in TINY_RUN if item.split("=")[0] not in PER_PEER for a in ("--set", item)
-    ]
+    run_sets = set_args(item for item in TINY_RUN if item.split("=")[0] not in PER_PEER)
     made = p2pdiloco(
         "run",
         "init",
@@ -66,35 +65,20 @@ def test_only_certified_peers_synchronize_a_certified_run(tmp_path) -> None:
         assert done.returncode == 0, done.stderr
 
     boot = start_bootstrap("--manifest", str(manifest))  # stores only what the run's rules allow
-    per_peer = [a for item in TINY_RUN if item.split("=")[0] in PER_PEER for a in ("--set", item)]
+    per_peer = [item for item in TINY_RUN if item.split("=")[0] in PER_PEER]
     joins = [
-        [
-            "-m",
-            "p2pdiloco",
-            "join",
-            "--manifest",
-            str(manifest),
-            "--identity",
-            str(tmp_path / f"peer{i}.key"),
-            "--initial-peers",
-            *boot.maddrs,
-            "--events",
-            "--heartbeat-s",
-            "1",
-            "--threads",
-            "1",
-            "--max-rounds",
-            "500",
-            *per_peer,
-        ]
+        child_join_args(
+            "--manifest", str(manifest), "--identity", str(tmp_path / f"peer{i}.key"),
+            "--initial-peers", *boot.maddrs, "--max-rounds", "500", sets=per_peer,
+        )
         for i in range(3)
-    ]
+    ]  # fmt: skip
     peers = start_peer_processes(joins, ready_timeout_s=240, envs=[env] * 3)
     assert [p.peer_id for p in peers] == ids
     logs = [Events(p) for p in peers]
     # Run until a round that the uncertified peer would have closed, were certification
     # ignored (rendezvous election among all three), has been closed by someone else.
-    would_win = next(r for r in range(2, 1000) if elect_synchronizer("certrun", r, 0, ids) == ids[2])
+    would_win = next(r for r in range(2, 1000) if synchronizer_order("certrun", r, 0, ids)[0] == ids[2])
     wait_all(logs, applied(would_win), ROUND_WAIT_S)
     for log in logs:
         log.drain(quiet_s=1.0, max_s=5.0)
