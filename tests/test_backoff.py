@@ -41,20 +41,20 @@ def test_a_wait_ends_by_the_deadline_and_bad_bounds_are_refused() -> None:
 
 def test_child_processes_are_found_and_a_zombie_is_not_alive() -> None:
     """The hivemind transport reaps its p2pd daemons by these (psutil, not a /proc scan)."""
-    from p2pdiloco.transport.hivemind import _child_pids, _pid_alive
+    from p2pdiloco.transport.hivemind_daemon import child_pids, pid_alive
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        assert child.pid in _child_pids(os.getpid()) and _pid_alive(child.pid)
+        assert child.pid in child_pids(os.getpid()) and pid_alive(child.pid)
         os.kill(child.pid, signal.SIGKILL)
         for _ in range(200):  # killed but not waited for: a zombie
-            if not _pid_alive(child.pid):
+            if not pid_alive(child.pid):
                 break
             import time
 
             time.sleep(0.01)
-        assert not _pid_alive(child.pid)
+        assert not pid_alive(child.pid)
     finally:
         child.kill()
         child.wait()
-    assert not _pid_alive(child.pid) and _child_pids(2**22 + 12345) == []
+    assert not pid_alive(child.pid) and child_pids(2**22 + 12345) == []

@@ -23,16 +23,19 @@ it into a `Rejected(reason)` or a skipped round, never a crash or a hang:
 
 Besides, `read_clock(peer_id)` asks a peer its DHT time (`p2pdiloco doctor` and `join`
 compare clocks with it); a transport that cannot ask returns None.
+
+`TransportBase` is what the implementations share, written once: the start/shutdown
+state, the table of served handlers, and `call()`'s checks, deadline and self-calls.
 """
 
 from __future__ import annotations
 
-import errno
+import asyncio
 import logging
-import socket
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 from p2pdiloco.errors import NetworkSetupError
 from p2pdiloco.identity import Identity
@@ -127,23 +130,6 @@ class ClockReading:
         return max(self.received_s - self.sent_s, 0.0) / 2
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Raise AddressInUse if something listens on host:port (port 0 is always free)."""
-    if port == 0:
-        return
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise AddressInUse(
-                    f"cannot listen on {host}:{port}: address already in use; "
-                    "pick another port or pass port=0"
-                ) from None
-            raise TransportStartError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-
-
 def check_size_limit(name: str, value: int) -> int:
     """Validate a byte limit given by the caller; returns it."""
     if not isinstance(value, int) or value < 0:
@@ -224,12 +210,175 @@ class Transport(ABC):
         return None
 
 
-def admit_call(limit: ConcurrencyLimit, name: str, callee: str, caller: str) -> None:
-    """Take one of `limit`'s slots for `caller`, or log and raise RemoteError: a call over
-    the caps is refused at the door, never queued (the caller must `limit.release`)."""
-    refusal = limit.try_acquire(caller)
-    if refusal is not None:
-        logger.warning(
-            "rpc_rejected reason=too_many_concurrent name=%s caller=%s detail=%r", name, caller, refusal
+def check_response_size(response: bytes, max_response: int) -> bytes:
+    """`response` as bytes, or ResponseTooLarge if it is over `max_response` bytes."""
+    if len(response) > max_response:
+        raise ResponseTooLarge(
+            f"response of {len(response)} bytes exceeds max_response_bytes={max_response}"
         )
-        raise RemoteError(f"peer {callee} refused the call: too many concurrent requests ({refusal})")
+    return bytes(response)
+
+
+class TransportBase(Transport):
+    """The skeleton of every transport: lifecycle state, served handlers, `call()`'s checks.
+
+    A transport subclasses this and adds only its own network (template methods):
+    `_start()` joins it, `_stop()` leaves it (never raises), `_call()` carries one call
+    within the deadline `call()` set, and `_serve_handler()` makes a newly registered
+    handler reachable. `max_in_flight` / `max_per_caller`: requests one handler runs at
+    once, from everyone / from one caller; past either cap a request is refused at once
+    (the caller gets a `RemoteError`), never queued.
+    """
+
+    kind: ClassVar[str] = "base"
+    """The transport's name in log lines (`transport_started kind=...`)."""
+    serves_before_start: ClassVar[bool] = False
+    """Whether handlers may be registered before `start()` (the in-memory fake's can; a
+    real transport hands each one to its running network)."""
+
+    def __init__(self, client_mode: bool, max_in_flight: int, max_per_caller: int) -> None:
+        ConcurrencyLimit(max_in_flight, max_per_caller)  # validate now, not at registration
+        self.max_in_flight = max_in_flight
+        self.max_per_caller = max_per_caller
+        self._client_mode = client_mode
+        self._peer_id = ""
+        self._identity: Identity | None = None
+        self._maddrs: list[str] = []
+        self._handlers: dict[str, tuple[Handler, int]] = {}
+        """Served RPCs: name -> (handler, max_request_bytes)."""
+        self._in_flight: dict[str, ConcurrencyLimit] = {}
+        """Per served RPC, the requests it runs now."""
+        self._ready = asyncio.Event()
+        self._closed = False
+
+    @property
+    def peer_id(self) -> str:
+        return self._peer_id
+
+    @property
+    def identity(self) -> Identity:
+        if self._identity is None:
+            raise TransportClosed("transport not started: no identity loaded yet")
+        return self._identity
+
+    @property
+    def client_mode(self) -> bool:
+        return self._client_mode
+
+    def visible_maddrs(self) -> list[str]:
+        return list(self._maddrs)
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._closed:
+            raise TransportClosed("transport was shut down; create a new one")
+        if self._ready.is_set():
+            return
+        await self._start()
+        self._ready.set()
+        logger.info(
+            "transport_started kind=%s peer_id=%s maddrs=%s client_mode=%s",
+            self.kind, self._peer_id, ",".join(self.visible_maddrs()), self._client_mode,
+        )  # fmt: skip
+
+    async def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._ready.clear()
+        await self._stop()
+        logger.info("transport_shutdown kind=%s peer_id=%s", self.kind, self._peer_id)
+
+    async def wait_until_ready(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout_s)
+        except TimeoutError:
+            raise TransportStartError(f"{self.kind} transport not ready after {timeout_s}s") from None
+
+    def _check_open(self) -> None:
+        """Raise TransportClosed unless started and not shut down."""
+        if self._closed or not self._ready.is_set():
+            raise TransportClosed(f"transport {self._peer_id or '?'} is not running")
+
+    @abstractmethod
+    async def _start(self) -> None:
+        """Join the network (`start()` has checked the state and marks it ready)."""
+
+    @abstractmethod
+    async def _stop(self) -> None:
+        """Leave the network and release every resource; never raises."""
+
+    # ---- RPC -------------------------------------------------------------------------
+
+    async def register_handler(
+        self, name: str, handler: Handler, max_request_bytes: int = DEFAULT_MAX_BYTES
+    ) -> None:
+        if not self.serves_before_start:
+            self._check_open()
+        check_size_limit("max_request_bytes", max_request_bytes)
+        if name in self._handlers:
+            raise ValueError(f"handler {name!r} is already registered")
+        self._handlers[name] = (handler, max_request_bytes)
+        self._in_flight[name] = self._new_limit()
+        await self._serve_handler(name)
+
+    async def _serve_handler(self, name: str) -> None:
+        """Make the handler just registered under `name` reachable (the fake: nothing to do)."""
+
+    def _new_limit(self) -> ConcurrencyLimit:
+        """A fresh concurrency cap for one served RPC."""
+        return ConcurrencyLimit(self.max_in_flight, self.max_per_caller)
+
+    async def call(
+        self,
+        peer_id: str,
+        name: str,
+        request: bytes,
+        timeout_s: float,
+        max_response_bytes: int = DEFAULT_MAX_BYTES,
+    ) -> bytes:
+        self._check_open()
+        check_size_limit("max_response_bytes", max_response_bytes)
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await self._call(peer_id, name, request, max_response_bytes)
+        except TimeoutError:
+            raise CallTimeout(f"call {name} to {peer_id} timed out after {timeout_s}s") from None
+
+    @abstractmethod
+    async def _call(self, peer_id: str, name: str, request: bytes, max_response: int) -> bytes:
+        """Carry one call to `peer_id` (possibly this peer); raises a TransportError.
+        `call()` has checked the arguments and bounds this by its deadline."""
+
+    async def _call_self(self, name: str, request: bytes, max_response: int) -> bytes:
+        """A call to this very peer: its handler runs here, without a stream."""
+        response = await self._serve_in_process(self._peer_id, name, request)
+        return check_response_size(response, max_response)
+
+    async def _serve_in_process(self, caller: str, name: str, request: bytes) -> bytes:
+        """Run this peer's handler `name` for `caller` in this process, with the checks a
+        stream server makes (size limit, concurrency caps); its failure is a RemoteError."""
+        if name not in self._handlers:
+            raise RemoteError(f"peer {self._peer_id} has no handler {name!r}")
+        handler, max_request = self._handlers[name]
+        if len(request) > max_request:
+            raise RequestTooLarge(
+                f"request of {len(request)} bytes exceeds {self._peer_id}'s limit of {max_request} bytes"
+            )
+        limit = self._in_flight[name]
+        refusal = limit.try_acquire(caller)  # refused at the door, never queued
+        if refusal is not None:
+            logger.warning(
+                "rpc_rejected reason=too_many_concurrent name=%s caller=%s detail=%r", name, caller, refusal
+            )
+            raise RemoteError(f"peer {self._peer_id} refused the call: too many concurrent requests ({refusal})")
+        try:
+            return await handler(caller, bytes(request))
+        except Exception as e:
+            logger.warning("handler_failed name=%s caller=%s error=%r", name, caller, e)
+            raise RemoteError(
+                f"handler {name} on {self._peer_id} failed: {type(e).__name__}: {e}"
+            ) from None
+        finally:
+            limit.release(caller)

@@ -16,25 +16,14 @@ from collections.abc import Callable
 
 from p2pdiloco.identity import Identity
 from p2pdiloco.transport.base import (
-    DEFAULT_MAX_BYTES,
-    CallTimeout,
     ClockReading,
-    Handler,
     PeerUnreachable,
-    RemoteError,
-    RequestTooLarge,
-    ResponseTooLarge,
-    Transport,
+    TransportBase,
     TransportClosed,
     TransportStartError,
-    admit_call,
-    check_size_limit,
+    check_response_size,
 )
-from p2pdiloco.transport.ratelimit import (
-    DEFAULT_MAX_IN_FLIGHT,
-    DEFAULT_MAX_PER_CALLER,
-    ConcurrencyLimit,
-)
+from p2pdiloco.transport.ratelimit import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_PER_CALLER
 from p2pdiloco.transport.records import RecordTable
 
 logger = logging.getLogger(__name__)
@@ -95,12 +84,15 @@ class MemoryNetwork:
         return self._dht.get(key, self.clock())
 
 
-class MemoryTransport(Transport):
+class MemoryTransport(TransportBase):
     """A peer on a `MemoryNetwork`; same interface and error types as the real ones.
 
     `max_in_flight` / `max_per_caller`: requests one handler runs at once, from everyone /
     from one caller; a request past either cap is refused at once with a `RemoteError`.
     """
+
+    kind = "memory"
+    serves_before_start = True
 
     def __init__(
         self,
@@ -112,10 +104,7 @@ class MemoryTransport(Transport):
         max_per_caller: int = DEFAULT_MAX_PER_CALLER,
         clock_offset_s: float = 0.0,
     ) -> None:
-        ConcurrencyLimit(max_in_flight, max_per_caller)  # validate now, not at registration
-        self.max_in_flight = max_in_flight
-        self.max_per_caller = max_per_caller
-        self._in_flight: dict[str, ConcurrencyLimit] = {}
+        super().__init__(client_mode, max_in_flight, max_per_caller)
         self.clock_offset_s = clock_offset_s
         """What `read_clock` adds to this peer's time as others read it (a wrong clock;
         the records keep the network's one clock), seconds."""
@@ -123,14 +112,6 @@ class MemoryTransport(Transport):
         self.record_rules = record_rules
         self._peer_id = peer_id or network.new_peer_id()
         self._identity = network.identity_of(self._peer_id)
-        self._client_mode = client_mode
-        self._handlers: dict[str, tuple[Handler, int]] = {}
-        self._started = asyncio.Event()
-        self._closed = False
-
-    @property
-    def peer_id(self) -> str:
-        return self._peer_id
 
     @property
     def identity(self) -> Identity:
@@ -138,61 +119,14 @@ class MemoryTransport(Transport):
             raise TransportClosed(f"peer {self._peer_id} has a hand-written id and cannot sign")
         return self._identity
 
-    @property
-    def client_mode(self) -> bool:
-        return self._client_mode
-
     def visible_maddrs(self) -> list[str]:
         return [] if self._client_mode else [f"/memory/{self._peer_id}/p2p/{self._peer_id}"]
 
-    async def start(self) -> None:
-        if self._closed:
-            raise TransportClosed("transport was shut down; create a new one")
-        if not self._started.is_set():
-            self.network._attach(self)
-            self._started.set()
-            logger.info("transport_started kind=memory peer_id=%s", self._peer_id)
+    async def _start(self) -> None:
+        self.network._attach(self)
 
-    async def shutdown(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self.network._detach(self)
-            logger.info("transport_shutdown kind=memory peer_id=%s", self._peer_id)
-
-    async def wait_until_ready(self, timeout_s: float) -> None:
-        try:
-            await asyncio.wait_for(self._started.wait(), timeout_s)
-        except TimeoutError:
-            raise TransportStartError(f"memory transport not started after {timeout_s}s") from None
-
-    def _check_open(self) -> None:
-        if self._closed or not self._started.is_set():
-            raise TransportClosed(f"transport {self._peer_id} is not running")
-
-    async def register_handler(
-        self, name: str, handler: Handler, max_request_bytes: int = DEFAULT_MAX_BYTES
-    ) -> None:
-        check_size_limit("max_request_bytes", max_request_bytes)
-        if name in self._handlers:
-            raise ValueError(f"handler {name!r} is already registered")
-        self._handlers[name] = (handler, max_request_bytes)
-        self._in_flight[name] = ConcurrencyLimit(self.max_in_flight, self.max_per_caller)
-
-    async def call(
-        self,
-        peer_id: str,
-        name: str,
-        request: bytes,
-        timeout_s: float,
-        max_response_bytes: int = DEFAULT_MAX_BYTES,
-    ) -> bytes:
-        self._check_open()
-        check_size_limit("max_response_bytes", max_response_bytes)
-        try:
-            async with asyncio.timeout(timeout_s):
-                return await self._call(peer_id, name, bytes(request), max_response_bytes)
-        except TimeoutError:
-            raise CallTimeout(f"call {name} to {peer_id} timed out after {timeout_s}s") from None
+    async def _stop(self) -> None:
+        self.network._detach(self)
 
     async def _call(self, peer_id: str, name: str, request: bytes, max_response: int) -> bytes:
         remote = self.network._route(peer_id)
@@ -200,33 +134,10 @@ class MemoryTransport(Transport):
             raise PeerUnreachable(f"peer {peer_id} is unreachable")
         while self.network.is_suspended(peer_id):  # frozen: the deadline fires
             await asyncio.sleep(0.01)
-        if name not in remote._handlers:
-            raise RemoteError(f"peer {peer_id} has no handler {name!r}")
-        handler, max_request = remote._handlers[name]
-        if len(request) > max_request:
-            raise RequestTooLarge(
-                f"request of {len(request)} bytes exceeds {peer_id}'s limit of {max_request} bytes"
-            )
-        limit = remote._in_flight[name]
-        admit_call(limit, name, peer_id, self._peer_id)
-        try:
-            response = await handler(self._peer_id, request)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            logger.warning("handler_failed name=%s caller=%s error=%r", name, self._peer_id, e)
-            raise RemoteError(
-                f"handler {name} on {peer_id} failed: {type(e).__name__}: {e}"
-            ) from None
-        finally:
-            limit.release(self._peer_id)
+        response = await remote._serve_in_process(self._peer_id, name, request)
         if self.network._route(peer_id) is not remote:
             raise PeerUnreachable(f"peer {peer_id} went away during the call")
-        if len(response) > max_response:
-            raise ResponseTooLarge(
-                f"response of {len(response)} bytes exceeds max_response_bytes={max_response}"
-            )
-        return bytes(response)
+        return check_response_size(response, max_response)
 
     async def store(self, key: str, subkey: str, value: bytes, expiration_time: float) -> bool:
         self._check_open()

@@ -3,10 +3,15 @@
 The replacement rule is hivemind's: a record under (key, subkey) is replaced only by one
 that expires later, and an expired record is gone. The table is bounded (subkeys per key,
 keys, bytes per value) because, on a real peer, every record in it was sent by someone
-else. Validation (a run's record rules) is the caller's: the table stores bytes.
+else. Validation (a run's record rules) is the caller's: the table stores bytes, and
+`RefusalLog` logs what the rules refused, sparsely.
 """
 
 from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
 
 Records = dict[str, tuple[bytes, float]]
 """`{subkey: (value, expiration_time)}` under one key."""
@@ -88,3 +93,22 @@ def merge_latest(into: Records, records: Records) -> None:
         old = into.get(subkey)
         if old is None or old[1] < expiration:
             into[subkey] = (value, expiration)
+
+
+class RefusalLog:
+    """Counts refused records by reason and logs the first three of each, then every
+    100th: the network may send floods of bad records, the log must not become one."""
+
+    MAX_REASONS = 256
+    """Reasons remembered; past this, the counts start over (memory stays bounded)."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+
+    def note(self, reason: str) -> None:
+        """Count one refusal for `reason`, logging it when due."""
+        count = self._counts[reason] = self._counts.get(reason, 0) + 1
+        if count <= 3 or count % 100 == 0:
+            logger.warning("dht_record_refused reason=%r count=%d", reason, count)
+        if len(self._counts) > self.MAX_REASONS:
+            self._counts.clear()

@@ -1,0 +1,220 @@
+"""Which server peers a libp2p peer knows, and how it learns them (on the trio thread).
+
+py-libp2p gives us streams but no peer discovery the one-hop record store can use
+(docs/transport.md), so peers learn each other themselves: from the bootstrap peers first,
+then by a periodic exchange of known peers (`~records.peers`). A peer counts as known only
+once it answered under its own, authenticated id (or called us, announcing its
+addresses); one that another peer merely named is a candidate, probed before it counts.
+Everything is bounded: known peers, candidates, peers shared in one exchange, probes at
+once; a known peer that keeps failing is forgotten.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import msgpack
+import multiaddr
+import trio
+
+from p2pdiloco.backoff import backoff_delays
+from p2pdiloco.identity import is_peer_id
+from p2pdiloco.transport.base import RemoteError, TransportError, TransportStartError
+
+logger = logging.getLogger(__name__)
+
+CallPeer = Callable[[str, str, bytes, int], Awaitable[bytes]]
+"""One call on the trio thread: `(peer_id, rpc_name, request, max_response_bytes) -> response`."""
+
+RECORDS_PEERS = "~records.peers"
+"""The exchange of known peers (a `~` name cannot collide with a run's RPC)."""
+REFRESH_S = 5.0
+"""Period of the known-peers exchange."""
+MAX_KNOWN = 1024
+MAX_SHARED = 64
+"""Known peers sent in one exchange."""
+MAX_CANDIDATES = 256
+MAX_PROBES = 8
+"""Candidates probed at once after an exchange."""
+MAX_FAILURES = 3
+"""Consecutive failed exchanges before a peer is forgotten."""
+BOOTSTRAP_RETRY_S, BOOTSTRAP_RETRY_CAP_S = 0.25, 4.0
+"""Waits between bootstrap attempts (`backoff_delays`: doubling, jittered), s."""
+MAX_EXCHANGE_RESPONSE = 16 << 20
+"""Bytes one exchange's answer may carry."""
+EXCHANGE_FAULTS = (TransportError, TimeoutError, trio.TooSlowError, ValueError, TypeError, msgpack.UnpackException)
+"""What an exchange with a peer that is gone, slow or lying raises."""
+
+
+@dataclass
+class Known:
+    """A known server peer: its addresses (without `/p2p/`) and its failed exchanges in a row."""
+
+    maddrs: list[str]
+    failures: int = 0
+
+
+def split_maddr(text: str) -> tuple[str, str] | None:
+    """(address without /p2p, peer id) of a bootstrap multiaddr, None if malformed."""
+    address, sep, peer = text.rpartition("/p2p/")
+    if not sep or not is_peer_id(peer):
+        return None
+    try:
+        multiaddr.Multiaddr(address)
+    except Exception:  # noqa: BLE001 - any malformed text
+        return None
+    return address, peer
+
+
+class SwarmPeers:
+    """The server peers this peer knows and the candidates it was told of.
+
+    `call` makes one call on the trio thread; `timeout_s` bounds one exchange. The
+    transport sets `me` (this peer's id) once its identity is loaded and `maddrs` (the
+    addresses it announces, empty in client mode) once it listens.
+    """
+
+    def __init__(self, initial_peers: list[str], call: CallPeer, timeout_s: float) -> None:
+        self.initial_peers = initial_peers
+        self.call = call
+        self.timeout_s = timeout_s
+        self.me = ""
+        self.maddrs: list[str] = []
+        self.known: dict[str, Known] = {}
+        """Server peers that answered us (or called us) under their own, authenticated id."""
+        self.candidates: dict[str, list[str]] = {}
+        """Peers another peer told us of: known only once they answer a probe themselves."""
+        self.bootstrap_error = ""
+        """Why the last bootstrap attempt failed ("" before one failed)."""
+
+    def addresses_of(self, peer_id: str) -> list[str] | None:
+        """The addresses we know `peer_id` at (known or candidate), None if neither."""
+        known = self.known.get(peer_id)
+        return known.maddrs if known is not None else self.candidates.get(peer_id)
+
+    async def serve_peers(self, caller: str, request: bytes) -> bytes:
+        """Learn the caller (if it announces addresses) and share up to MAX_SHARED known peers."""
+        announced = msgpack.unpackb(request, raw=False)
+        if isinstance(announced, list) and announced:
+            self._learn(caller, announced)
+        shared = [[p, k.maddrs] for p, k in self.known.items() if p != caller]
+        random.shuffle(shared)
+        return msgpack.packb(shared[:MAX_SHARED])
+
+    def _learn(self, peer_id: str, maddrs: object) -> None:
+        """Remember a server peer that called us under its own id, at the addresses it
+        announced (well-formed ones that name it, bounded)."""
+        good = self._addresses(peer_id, maddrs)
+        if good and (peer_id in self.known or len(self.known) < MAX_KNOWN):
+            self.known[peer_id] = Known(good)
+            self.candidates.pop(peer_id, None)
+
+    def _addresses(self, peer_id: object, maddrs: object) -> list[str]:
+        """The well-formed `/p2p/<peer_id>` multiaddrs of `maddrs`, without that suffix."""
+        if peer_id == self.me or not is_peer_id(peer_id) or not isinstance(maddrs, list):
+            return []
+        return [
+            a.rpartition("/p2p/")[0]
+            for a in maddrs[:8]
+            if isinstance(a, str) and len(a) < 256 and split_maddr(a) == (a.rpartition("/p2p/")[0], peer_id)
+        ]
+
+    async def bootstrap(self) -> None:
+        """Learn the swarm from the initial peers: retried until one answers."""
+        seeds = [s for s in map(split_maddr, self.initial_peers) if s is not None]
+        if self.initial_peers and not seeds:
+            raise TransportStartError(f"no usable initial peer in {', '.join(self.initial_peers)}")
+        for address, peer in seeds:
+            if peer != self.me:
+                self.known.setdefault(peer, Known([address]))
+        last_error = ""
+        delays = backoff_delays(BOOTSTRAP_RETRY_S, BOOTSTRAP_RETRY_CAP_S)
+        while seeds:
+            for _, peer in seeds:
+                try:
+                    await self._probe_all(await self._exchange(peer))
+                    return
+                except RemoteError as exc:
+                    if "no handler" in str(exc):
+                        raise TransportStartError(
+                            f"initial peer {peer} does not speak p2pdiloco's libp2p record protocol: it runs "
+                            "another transport (every peer of a run must use the run's network.transport)"
+                        ) from None
+                    last_error = str(exc)
+                except (TransportError, TimeoutError, trio.TooSlowError, ValueError, msgpack.UnpackException) as exc:
+                    last_error = f"{type(exc).__name__}: {exc}"
+            self.bootstrap_error = last_error
+            logger.info("bootstrap_retry error=%s", last_error)
+            # back-off between attempts, jittered (peers do not retry in lockstep); start()'s
+            # deadline bounds them
+            await trio.sleep(next(delays))
+
+    async def _exchange(self, peer: str) -> list[str]:
+        """Swap known peers with `peer` (which becomes known: it answered under its id);
+        returns the new candidates it named. Raises one of EXCHANGE_FAULTS."""
+        with trio.fail_after(self.timeout_s):
+            raw = await self.call(peer, RECORDS_PEERS, msgpack.packb(self.maddrs), MAX_EXCHANGE_RESPONSE)
+        if peer in self.candidates and len(self.known) < MAX_KNOWN:
+            self.known[peer] = Known(self.candidates.pop(peer))
+        shared = msgpack.unpackb(raw, raw=False)
+        fresh = []
+        for item in shared[:MAX_SHARED] if isinstance(shared, list) else []:
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[1], list)):
+                continue
+            other, maddrs = item
+            if other in self.known or other in self.candidates or len(self.candidates) >= MAX_CANDIDATES:
+                continue
+            good = self._addresses(other, [f"{a}/p2p/{other}" for a in maddrs if isinstance(a, str)])
+            if good:
+                self.candidates[other] = good
+                fresh.append(other)
+        return fresh
+
+    async def try_exchange(self, peer: str) -> bool:
+        """`_exchange`, then probe up to MAX_PROBES of the candidates it named; False if
+        `peer` did not answer (a candidate that does not answer is dropped)."""
+        try:
+            fresh = await self._exchange(peer)
+        except EXCHANGE_FAULTS:
+            self.candidates.pop(peer, None)
+            return False
+        await self._probe_all(fresh)
+        return True
+
+    async def _probe_all(self, fresh: list[str]) -> None:
+        """Probe up to MAX_PROBES new candidates at once."""
+        async with trio.open_nursery() as nursery:
+            for candidate in fresh[:MAX_PROBES]:
+                nursery.start_soon(self._probe, candidate)
+
+    async def _probe(self, candidate: str) -> None:
+        try:
+            await self._exchange(candidate)
+        except EXCHANGE_FAULTS:
+            self.candidates.pop(candidate, None)
+
+    async def ask_around(self, within_s: float) -> None:
+        """One exchange with up to 3 known peers at once, bounded by `within_s` seconds."""
+        with trio.move_on_after(within_s):
+            async with trio.open_nursery() as nursery:
+                for peer in random.sample(list(self.known), min(3, len(self.known))):
+                    nursery.start_soon(self.try_exchange, peer)
+
+    async def refresh_loop(self) -> None:
+        """Every REFRESH_S, swap known peers with a few; forget those that keep failing."""
+        while True:
+            await trio.sleep(REFRESH_S)  # a period, not synchronisation
+            if not self.known:
+                for address, peer in filter(None, map(split_maddr, self.initial_peers)):
+                    if peer != self.me:
+                        self.known[peer] = Known([address])
+            for peer in random.sample(list(self.known), min(3, len(self.known))):
+                answered = await self.try_exchange(peer)
+                entry = self.known.get(peer)
+                if entry is not None:
+                    entry.failures = 0 if answered else entry.failures + 1
+                    if entry.failures >= MAX_FAILURES:
+                        del self.known[peer]
