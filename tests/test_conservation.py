@@ -142,11 +142,11 @@ async def run_swarm(min_quorum: int, speeds: list[int], rounds: int, max_ticks: 
     # wind down: no more steps, every delta decided (windows close by quorum or deadline)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 30.0
-    while any(p.learner.in_flight or p.learner.encoding or p.learner.staged for p in peers):
+    while any(p.learner.book.in_flight or p.learner.shipper.encoding or p.learner.shipper.staged for p in peers):
         assert loop.time() < deadline, "deltas still undecided at the deadline: " + "; ".join(
             f"{p.peer_id[-4:]} round {p.state.round_of(0)} "
-            f"{[(i.target_round, i.reply) for i in p.learner.in_flight.values()]} "
-            f"encoding {list(p.learner.encoding)} staged {list(p.learner.staged)}"
+            f"{[(i.target_round, i.reply) for i in p.learner.book.in_flight.values()]} "
+            f"encoding {list(p.learner.shipper.encoding)} staged {list(p.learner.shipper.staged)}"
             for p in peers
         )
         for peer in peers:
@@ -165,7 +165,7 @@ async def run_swarm(min_quorum: int, speeds: list[int], rounds: int, max_ticks: 
     await asyncio.sleep(0)
     for peer in peers:
         peer.worker.shutdown(wait=True, cancel_futures=True)
-        peer.learner.encoder.shutdown(wait=True)
+        peer.learner.shipper.encoder.shutdown(wait=True)
     return peers
 
 
@@ -210,7 +210,7 @@ def test_every_computed_step_is_merged_once_or_still_local(min_quorum: int, spee
     assert peers[0].state.round_of(0) >= 8, "the swarm committed its rounds"
     merged = merged_steps_by_peer(peers)
     for peer in peers:
-        p, ledger = peer.learner.progress, peer.learner.ledgers[0]
+        p, ledger = peer.learner.progress, peer.learner.book.ledgers[0]
         assert p.lost_steps == {}, f"fault-free, yet steps reported lost: {p.lost_steps}"
         assert merged[peer.peer_id] == p.steps_contributed, "the learner's own booking agrees"
         assert merged[peer.peer_id] + ledger.steps == p.step, (

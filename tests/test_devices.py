@@ -92,4 +92,4 @@ def test_a_staged_fragment_is_shipped_as_it_was_when_staged(tiny_config, tiny_co
     base = state.fragment_params(0)[1]
     for name, tensor in delta.items():
         assert torch.allclose(tensor, base[name] - at_stage[name], atol=0.05), name
-    assert not learner.staged and 0 in learner.in_flight
+    assert not learner.shipper.staged and 0 in learner.book.in_flight

@@ -79,7 +79,7 @@ def test_a_delta_is_never_taken_against_a_base_the_replica_has_passed(tiny_confi
     local_before = local_params(learner)
     apply(state)
     ship(learner, 0)
-    assert sent == [] and learner.due == {0}
+    assert sent == [] and learner.book.due == {0}
     learner.take_over_updates()
     ship(learner, 0)
     msg, delta = sent_delta(sent)
@@ -108,7 +108,7 @@ def test_merged_delta_is_booked_and_leaves_the_model_only_when_the_record_lists_
     learner.take_over_updates()
     p = learner.progress
     assert p.rounds_contributed == 1 and p.steps_contributed == 3
-    assert learner.ledgers[0].steps == 2, "the two steps since the ship stay local, claimed"
+    assert learner.book.ledgers[0].steps == 2, "the two steps since the ship stay local, claimed"
     new_base = state.fragment_params(0)[1]
     # theta <- g + (theta - shipped): the steps since the ship, on the new global
     assert close(local_params(learner), {n: new_base[n] + before[n] - shipped_local[n] for n in new_base})
@@ -137,7 +137,7 @@ def test_a_second_update_before_the_next_ship_keeps_every_local_step(tiny_config
     learner.take_over_updates()
     second = state.fragment_params(0)[1]
     assert close(local_params(learner), {n: second[n] + before[n] - first[n] for n in second})
-    assert learner.ledgers[0].steps == 2 and learner.progress.lost_steps == {}
+    assert learner.book.ledgers[0].steps == 2 and learner.progress.lost_steps == {}
 
 
 @pytest.mark.parametrize("status", ["late", "no_quorum", "behind"])
@@ -150,7 +150,7 @@ def test_a_delta_no_round_merged_is_folded_into_the_next_one(tiny_config, tiny_c
     ship(learner, 0)
     sent[0][3].set_result(Outcome(status, 0, 0, "sync"))
     learner.collect_outcomes()
-    assert 0 not in learner.in_flight and (0, 0) in learner.folded
+    assert 0 not in learner.book.in_flight and (0, 0) in learner.book.folded
     assert [e["reason"] for e in events if e["event"] == "delta_folded"] == [status]
     train(learner, 1)
     local_before = local_params(learner)
@@ -159,7 +159,7 @@ def test_a_delta_no_round_merged_is_folded_into_the_next_one(tiny_config, tiny_c
         learner.take_over_updates()
     ship(learner, 0)
     msg, delta = sent_delta(sent)
-    assert msg.meta["steps"] == 3 and learner.ledgers[0].steps == 3, "one claim carries all three"
+    assert msg.meta["steps"] == 3 and learner.book.ledgers[0].steps == 3, "one claim carries all three"
     assert close(delta, {n: base_before[n] - local_before[n] for n in delta}, atol=0.05)
     assert learner.progress.lost_steps == {}
 
@@ -177,7 +177,7 @@ def test_a_refused_delta_is_reported_lost_and_leaves_the_model(tiny_config, tiny
     learner.collect_outcomes()
     base = state.fragment_params(0)[1]
     assert close(local_params(learner), {n: base[n] + before[n] - shipped_local[n] for n in base})
-    assert learner.progress.lost_steps == {"refused": 2} and learner.ledgers[0].steps == 1
+    assert learner.progress.lost_steps == {"refused": 2} and learner.book.ledgers[0].steps == 1
     lost = [e for e in events if e["event"] == "steps_lost"]
     assert lost and lost[0]["steps"] == 2 and lost[0]["reason"].startswith("refused")
 
@@ -199,20 +199,20 @@ def test_a_rival_record_moves_a_decided_delta_back_or_out(tiny_config, tiny_corp
     _, delta = sent_delta(sent)
     learner.round_settled(0, 0, {"rival"})
     learner.settle()
-    assert learner.progress.rounds_contributed == 0 and learner.ledgers[0].steps == 2
+    assert learner.progress.rounds_contributed == 0 and learner.book.ledgers[0].steps == 2
     assert close(local_params(learner), {n: settled[n] - delta[n] for n in delta})
-    assert (0, 0) not in learner.booked
+    assert (0, 0) not in learner.book.booked
     # and the other way round: a folded delta whose round a record listing it wins
     train(learner, 1)
     ship(learner, 0)
     sent[-1][3].set_result(Outcome("late", 1, 0, "sync"))
     learner.collect_outcomes()
-    assert (0, 1) in learner.folded
+    assert (0, 1) in learner.book.folded
     folded_local = local_params(learner)
     _, delta = sent_delta(sent)
     learner.round_settled(0, 1, {"me"})
     learner.settle()
-    assert learner.progress.rounds_contributed == 1 and learner.ledgers[0].steps == 0
+    assert learner.progress.rounds_contributed == 1 and learner.book.ledgers[0].steps == 0
     assert close(local_params(learner), {n: folded_local[n] + delta[n] for n in delta})
 
 
@@ -222,7 +222,7 @@ def test_overwrite_reports_the_local_steps_it_throws_away(tiny_config, tiny_corp
     train(learner, 3)
     apply(state)
     learner.take_over_updates()
-    assert learner.progress.lost_steps == {"overwrite": 3} and learner.ledgers[0].steps == 0
+    assert learner.progress.lost_steps == {"overwrite": 3} and learner.book.ledgers[0].steps == 0
     assert close(local_params(learner), state.fragment_params(0)[1])
 
 
@@ -230,22 +230,23 @@ def test_decided_deltas_drop_their_tensors_once_too_stale_to_matter(tiny_config,
     """Decided deltas are kept so a rival record can move them back or out; once their
     base is more than `max_staleness_rounds` behind only their claims stay. At most
     `KEPT_PER_FRAGMENT` a fragment are kept."""
-    from p2pdiloco.roles.learner import KEPT_PER_FRAGMENT, InFlight
+    from p2pdiloco.protocol.deltas import KEPT_PER_FRAGMENT, InFlight
 
     learner, state, _ = make_learner(tiny_config, tiny_corpus, num_fragments=2)
     zeros = {n: torch.zeros_like(t) for n, t in state.fragment_params(0)[1].items()}
     tensors = {"w": compress.make_codec("int8").encode(torch.ones(4))}
     limit = tiny_config.sync.max_staleness_rounds
     for round_id in range(KEPT_PER_FRAGMENT + 4):
-        learner._book((0, round_id), InFlight(Future(), round_id, round_id, 1, 1, dict(tensors)), +1)
-        learner._book((1, round_id), InFlight(Future(), round_id, round_id, 1, 1, dict(tensors)), +1)
+        for fragment in (0, 1):  # booked merged, as a decision does
+            item = learner.book.booked[(fragment, round_id)] = InFlight(Future(), round_id, round_id, 1, 1, dict(tensors))
+            learner._count_merged(fragment, item, +1)
         state.apply_update(0, round_id, zeros)
     learner.settle()  # the loop settles every iteration, and prunes then
     current = state.round_of(0)
-    rounds_0 = sorted(r for f, r in learner.booked if f == 0)
+    rounds_0 = sorted(r for f, r in learner.book.booked if f == 0)
     assert len(rounds_0) == KEPT_PER_FRAGMENT and rounds_0[-1] == current - 1
-    assert len([k for k in learner.booked if k[0] == 1]) == KEPT_PER_FRAGMENT
-    for (fragment, round_id), item in learner.booked.items():
+    assert len([k for k in learner.book.booked if k[0] == 1]) == KEPT_PER_FRAGMENT
+    for (fragment, round_id), item in learner.book.booked.items():
         if fragment == 0:
             assert bool(item.tensors) == (current - round_id <= limit), round_id
     # a rival taking a round whose delta is too stale un-books it: its steps are reported lost
@@ -263,24 +264,24 @@ def test_the_loop_encodes_beside_the_training_thread_and_sends_when_done(tiny_co
     learner, state, sent = make_learner(tiny_config, tiny_corpus)
     train(learner)
     release, threads = threading.Event(), []
-    encode = learner._encode
+    encode = learner.shipper._encode
 
     def held_encode(staged):
         threads.append(threading.current_thread().name)
         assert release.wait(60)
         return encode(staged)
 
-    learner._encode = held_encode
+    learner.shipper._encode = held_encode
     learner.stage(0)
-    learner.start_encoding()
-    learner.send_encoded(block=False)
-    assert sent == [] and 0 in learner.encoding, "the loop does not wait for the encoder"
+    learner.shipper.start_encoding()
+    learner.shipper.send_encoded(block=False)
+    assert sent == [] and 0 in learner.shipper.encoding, "the loop does not wait for the encoder"
     learner.stage(0)
-    assert 0 not in learner.staged, "a fragment with the encoder is not staged again"
+    assert 0 not in learner.shipper.staged, "a fragment with the encoder is not staged again"
     release.set()
-    learner.send_encoded(block=True)
+    learner.shipper.send_encoded(block=True)
     assert threads and threads[0].startswith("encoder") and len(sent) == 1
-    assert 0 not in learner.encoding and 0 in learner.in_flight
+    assert 0 not in learner.shipper.encoding and 0 in learner.book.in_flight
 
 
 def test_rest_keeps_work_to_the_compute_share() -> None:
@@ -332,7 +333,7 @@ def test_a_restart_keeps_the_checkpointed_local_work_on_the_new_global(tiny_conf
     assert load_learner(tmp_path, restarted, "hash")
     base = new_state.fragment_params(0)[1]
     assert close(local_params(restarted), {n: base[n] + kept[n] for n in base})
-    assert restarted.ledgers[0].steps == 2 and restarted.ledgers[0].last_step == 5
+    assert restarted.book.ledgers[0].steps == 2 and restarted.book.ledgers[0].last_step == 5
     # a checkpoint from before local work was kept restores nothing local, and says so
     assert restarted.restore_local_work(None) is not None
     assert close(local_params(restarted), base)
@@ -351,7 +352,7 @@ def test_no_delta_goes_to_a_round_the_swarm_closed_while_the_replica_cannot_foll
     learner.collect_outcomes()
     train(learner, 1)
     ship(learner, 0)
-    assert len(sent) == 1 and 0 in learner.due, "held back: round 0 is closed, the replica is at 0"
+    assert len(sent) == 1 and 0 in learner.book.due, "held back: round 0 is closed, the replica is at 0"
     apply(state)  # the update arrives after all
     learner.take_over_updates()
     ship(learner, 0)

@@ -217,7 +217,7 @@ class JoinedPeer:
     def _finish_in_flight(self, timeout_s: float = 30.0) -> None:
         """On leaving: give in-flight contributions a bounded chance to complete."""
         deadline = time.monotonic() + timeout_s
-        for item in list(self.learner.in_flight.values()):
+        for item in list(self.learner.book.in_flight.values()):
             try:
                 item.future.result(max(deadline - time.monotonic(), 0.0))
             except Exception:  # noqa: BLE001 - abandoned cleanly: the round goes on without it
@@ -256,7 +256,7 @@ class JoinedPeer:
         directory = self.options.checkpoint_dir
         if not directory:
             return
-        self.learner.wait_encoding()  # the residuals the encoder thread is updating
+        self.learner.shipper.wait_encoding()  # the residuals the encoder thread is updating
         try:
             path = save_learner(directory, self.learner, self.config_hash)
         except ConfigError as exc:
@@ -287,8 +287,8 @@ class JoinedPeer:
             "rounds_contributed": p.rounds_contributed,
             "tokens_contributed": p.tokens_contributed,
             "steps_contributed": p.steps_contributed,
-            "local_steps": [ledger.steps for ledger in learner.ledgers],
-            "undecided_steps": {f: item.steps for f, item in learner.in_flight.items()},
+            "local_steps": [ledger.steps for ledger in learner.book.ledgers],
+            "undecided_steps": {f: item.steps for f, item in learner.book.in_flight.items()},
             "lost_steps": dict(p.lost_steps),
             "bytes_sent": p.bytes_sent,
             "bytes_received": self.bytes_received(),

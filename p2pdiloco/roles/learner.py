@@ -2,12 +2,15 @@
 
 Runs on the peer's training thread. Sending a delta, waiting for the window and
 receiving the result happen on the event loop (`learner_link`) while this loop keeps
-taking inner steps. No computed step is lost silently (`ledger`): when a fragment's update
-has been applied to the global state the loop puts it under all of its local progress
+taking inner steps. No computed step is lost silently: when a fragment's update has
+been applied to the global state the loop puts it under all of its local progress
 (rebase, the default), and takes a shipped delta's progress out of the model only once
 the canonical record of its round lists it. A delta that no committed round holds is
 folded into the next one (its steps stay local, the next claim carries them); a refused
 one, or steps thrown away by `overwrite`/`mix`, are reported lost with a reason.
+
+The bookkeeping is `protocol.deltas.DeltaBook` (pure: it decides, this loop moves the
+parameters), the outgoing side `shipping.Shipper`, the on-receive rule `protocol.ledger`.
 """
 
 from __future__ import annotations
@@ -17,88 +20,26 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
-from p2pdiloco import compress, wire
+from p2pdiloco import compress
 from p2pdiloco.config import RunConfig
+from p2pdiloco.protocol.deltas import FOLDED, LOST, MERGED, DeltaBook, Flip, InFlight
 from p2pdiloco.protocol.fragments import fragments_due
-from p2pdiloco.protocol.ledger import (
-    Claim,
-    Params,
-    WorkLedger,
-    move_progress,
-    progress_of,
-    take_over,
-)
+from p2pdiloco.protocol.ledger import Claim, move_progress, progress_of, take_over
+from p2pdiloco.roles.shipping import Shipper, Submit
 from p2pdiloco.roles.state import GlobalState
-from p2pdiloco.training.devices import StagedCopy
 from p2pdiloco.training.train import InnerTrainer, evaluate
-from p2pdiloco.wire.messages import LATE, MERGED, REJECTED, Outcome
+from p2pdiloco.wire.messages import LATE, REJECTED, Outcome
+from p2pdiloco.wire.messages import MERGED as MERGED_REPLY
 
 log = logging.getLogger(__name__)
-
-Submit = Callable[[int, int, bytes], "Future[Outcome]"]
-"""Hand a CONTRIBUTION frame (fragment, target round, frame) to the event loop."""
 
 ContributorsOf = Callable[[int, int], "Mapping[str, float] | frozenset[str] | None"]
 """Peers the canonical record of (fragment, round) lists (with their merge weights), or
 None when no record is known."""
-
-KEPT_PER_FRAGMENT = 16
-"""Decided deltas a learner keeps a fragment (merged and folded), to move their progress
-back or out if a rival record later takes their round."""
-
-AMBIGUOUS = ("unreachable", "failed")
-"""Outcomes that do not say whether a synchronizer merged the delta: it may still commit.
-Such a delta waits for the record of its round, at most `sync.round_deadline_s`."""
-
-
-@dataclass
-class InFlight:
-    """A delta shipped against the learner's current base, until its fate is decided."""
-
-    future: Future
-    target_round: int
-    base_round: int
-    tokens: int
-    steps: int
-    tensors: dict[str, compress.EncodedTensor]
-    first_step: int = 0
-    last_step: int = 0
-    progress: Params | None = None
-    """`local - base` when it was taken (rebase): what leaves the model once merged."""
-    weight: float = 0.0
-    """Merge weight the synchronizer reported."""
-    reply: str = ""
-    """The synchronizer's answer once it came (`failed` for an exception)."""
-    replied_at: float = 0.0
-
-    @property
-    def claim(self) -> Claim:
-        return Claim(self.tokens, self.steps, self.first_step, self.last_step)
-
-
-@dataclass
-class Staged:
-    """A fragment whose host copy is on its way: its delta is encoded and sent once it landed."""
-
-    copy: StagedCopy
-    base_round: int
-    base: dict[str, torch.Tensor]
-    claim: Claim
-
-
-@dataclass
-class Encoded:
-    """What the encoder thread made of a staged fragment (tensors None: non-finite delta)."""
-
-    staged: Staged
-    tensors: dict[str, compress.EncodedTensor] | None
-    progress: Params | None
-    """`local - base` of the shipped parameters (kept for `on_receive = "rebase"`)."""
 
 
 @dataclass
@@ -155,38 +96,17 @@ class Learner:
         contributors_of: ContributorsOf = lambda fragment, round_id: None,
     ) -> None:
         self.peer_id = peer_id
-        self.run_name = run
         self.config = config
         self.trainer = trainer
         self.batches = batches
         self.state = state
-        self.submit = submit
         self.eval_set = eval_set
         self.on_event = on_event
         self.contributors_of = contributors_of
-        self.codec = compress.make_codec_from_config(config.compress)
-        lossy = config.compress.codec not in ("fp32",)
-        self.feedback = (
-            compress.ErrorFeedback() if config.compress.error_feedback and lossy else None
-        )
-        num_fragments = state.num_fragments
         self.progress = LearnerProgress()
-        self.ledgers = [WorkLedger() for _ in range(num_fragments)]
-        """Per fragment, the work in the local progress: the next claim."""
-        self.in_flight: dict[int, InFlight] = {}
-        """Per fragment, the one delta shipped against the current base, until decided."""
-        self.closed_round: dict[int, tuple[int, float]] = {}
-        """Per fragment, the latest round a synchronizer answered `late` for, and when."""
-        self.due: set[int] = set()
-        """Fragments whose ship came while the previous delta was undecided: shipped as soon
-        as it is (their steps are not lost, only later)."""
-        self.staged: dict[int, Staged] = {}
-        """Fragments copied to the host last step, encoded once the next step was queued."""
-        self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encoder")
-        """Takes deltas and encodes them beside the training thread: on an accelerator the
-        loop keeps queuing steps meanwhile (a 150M fragment costs ~0.1 s of CPU)."""
-        self.encoding: dict[int, Future[Encoded]] = {}
-        """Fragments with the encoder, sent by the loop once their encoding is done."""
+        self.book = DeltaBook(state.num_fragments)
+        """Every shipped delta and its fate; the work ledger of each fragment."""
+        self.shipper = Shipper(peer_id, run, config, trainer, self.book, submit, self._sent, on_event)
         self._params = dict(trainer.model.named_parameters())
         self.bases: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
         """Per fragment, the global (round, parameters) the replica last took over: the
@@ -198,14 +118,15 @@ class Learner:
         """(fragment, round, contributors) of each round the replica passed, by its
         canonical record as read from the DHT; again when a rival record wins a round
         later. The one channel from the replica (`round_settled`)."""
-        self.booked: dict[tuple[int, int], InFlight] = {}
-        """Deltas decided merged, kept in case a rival record without them wins their round."""
-        self.folded: dict[tuple[int, int], InFlight] = {}
-        """Deltas decided folded, kept in case a rival record with them wins their round."""
-        for fragment in range(num_fragments):
+        for fragment in range(state.num_fragments):
             self.bases[fragment] = state.fragment_params(fragment)
             self.base_hashes[fragment] = state.current_hash(fragment)
         self.restart_from_base(reason="")
+
+    @property
+    def feedback(self):
+        """The error-feedback residuals of the lossy codec (None without): a checkpoint keeps them."""
+        return self.shipper.feedback
 
     # --- the loop -----------------------------------------------------------------------
 
@@ -275,7 +196,6 @@ class Learner:
     def run_step(self, warm_steps: int = 0) -> None:
         """One turn of the loop: an inner step, what is due shipped, results taken over."""
         sync, share = self.config.sync, self.config.train.compute_share
-        # every step
         started = time.monotonic()
         result = self.trainer.step(self.batches)
         step_s = time.monotonic() - started
@@ -283,18 +203,16 @@ class Learner:
         # learner moves, which the synchronizer's grace window (Eq. 3) has to know
         self._count(result.tokens, step_s / share)
         self.progress.train_s += step_s
-
         # ship: send what the encoder finished, hand it what was staged last step (its
         # host copy ran beside this step's work on an accelerator), then stage the
         # fragments that are due now (and those whose ship waited for a decision)
-        self.send_encoded(block=False)
-        self.start_encoding()
+        self._restart_non_finite(self.shipper.send_encoded(block=False))
+        self.shipper.start_encoding()
         scheduled = fragments_due(
             self.progress.step, sync.inner_steps, sync.num_fragments, warm_steps, sync.warm_inner_steps
         )
-        for fragment in sorted(set(scheduled) | self.due):
+        for fragment in sorted(set(scheduled) | self.book.due):
             self.stage(fragment)
-
         # results that arrived
         self.collect_outcomes()
         self.take_over_updates()
@@ -315,144 +233,55 @@ class Learner:
         p = self.progress
         p.step += 1
         p.tokens += tokens
-        for ledger in self.ledgers:
-            ledger.count(tokens, p.step)
+        self.book.count(tokens, p.step)
         p.step_time_s = step_time_s if p.step == 1 else 0.9 * p.step_time_s + 0.1 * step_time_s
         p.tokens_per_s = tokens / max(p.step_time_s, 1e-9)
+        self.shipper.step_time_s = p.step_time_s
 
     # --- ship a fragment ----------------------------------------------------------------
 
     def stage(self, fragment: int) -> None:
-        """Start copying this fragment to the host, with the base and claim its delta is
-        taken against; `send_staged` encodes and sends it once the copy landed.
+        """Start taking this fragment's delta against its base (`Shipper.stage`).
 
         One delta per base: while the previous one is undecided the fragment is marked due
         and shipped once it is decided (its steps wait, they are not lost). Nor is a delta
         taken against a base the replica has already passed: the take-over comes first."""
-        busy = fragment in self.in_flight or fragment in self.staged or fragment in self.encoding
+        book = self.book
         base_round, base = self.bases[fragment]
-        if busy or self.state.round_of(fragment) != base_round:
-            self.due.add(fragment)
+        if self.shipper.busy(fragment) or self.state.round_of(fragment) != base_round or book.closed_lately(
+            fragment, base_round, time.monotonic(), self.config.sync.round_deadline_s
+        ):
+            # (closed lately: the swarm closed this base's round and the replica has not
+            # followed, no holder answers yet: another delta to it would be late too, so
+            # none is sent until the take-over moves the base, or a round deadline at most)
+            book.due.add(fragment)
             return
-        closed_round, closed_at = self.closed_round.get(fragment, (-1, 0.0))
-        if closed_round >= base_round and time.monotonic() - closed_at < self.config.sync.round_deadline_s:
-            # the swarm already closed this base's round and the replica has not followed
-            # (no holder answers yet): another delta to it would be late too, so none is
-            # sent until the take-over moves the base, or for a round deadline at most
-            self.due.add(fragment)
-            return
-        self.due.discard(fragment)
-        if self.ledgers[fragment].steps == 0:
-            return
-        copy = self.trainer.host.stage({n: self._params[n] for n in base})
-        self.staged[fragment] = Staged(copy, base_round, base, self.ledgers[fragment].claim())
+        book.due.discard(fragment)
+        if book.ledgers[fragment].steps > 0:
+            self.shipper.stage(fragment, base_round, base)
 
     def send_staged(self, fragments: Iterable[int] | None = None) -> None:
         """Encode and send the staged fragments (all, or those in `fragments`) now."""
-        self.start_encoding(fragments)
-        self.send_encoded(fragments, block=True)
+        self._restart_non_finite(self.shipper.send_staged(fragments))
 
-    def start_encoding(self, fragments: Iterable[int] | None = None) -> None:
-        """Hand the staged fragments (all, or those in `fragments`) to the encoder thread."""
-        chosen = self.staged.keys() if fragments is None else self.staged.keys() & set(fragments)
-        for fragment in sorted(chosen):
-            staged = self.staged.pop(fragment)
-            self.encoding[fragment] = self.encoder.submit(self._encode, staged)
+    def _restart_non_finite(self, fragments: list[int]) -> None:
+        """A diverged replica must not poison the swarm: its delta is dropped and the
+        fragment restarts from the global state."""
+        for fragment in fragments:
+            log.warning("non-finite local delta fragment=%d: not sent; fragment reset to global", fragment)
+            self.on_event({"event": "local_reset", "fragment": fragment})
+            self.restart_from_base([fragment], reason="non_finite")
 
-    def send_encoded(self, fragments: Iterable[int] | None = None, block: bool = False) -> None:
-        """Send the fragments the encoder is done with (with `block`, wait for them)."""
-        chosen = self.encoding.keys() if fragments is None else self.encoding.keys() & set(fragments)
-        for fragment in sorted(chosen):
-            if not (block or self.encoding[fragment].done()):
-                continue
-            encoded = self.encoding.pop(fragment).result()
-            staged = encoded.staged
-            if encoded.tensors is None:
-                # A diverged replica must not poison the swarm: drop it and restart from global.
-                log.warning(
-                    "non-finite local delta fragment=%d: not sent; fragment reset to global",
-                    fragment,
-                )
-                self.on_event({"event": "local_reset", "fragment": fragment})
-                self.restart_from_base([fragment], reason="non_finite")
-                continue
-            claim = staged.claim
-            item = InFlight(
-                future=Future(),
-                target_round=staged.base_round,
-                base_round=staged.base_round,
-                tokens=claim.tokens,
-                steps=claim.steps,
-                tensors=encoded.tensors,
-                first_step=claim.first_step,
-                last_step=claim.last_step,
-                progress=encoded.progress,
-            )
-            self._send(fragment, item)
-
-    def wait_encoding(self) -> None:
-        """Wait until the encoder is idle (the error-feedback residuals are then settled)."""
-        for future in list(self.encoding.values()):
-            future.exception()
-
-    def _encode(self, staged: Staged) -> Encoded:
-        """Encoder thread: wait for the host copy, take the delta, check it, encode it."""
-        local = staged.copy.wait()
-        delta = {n: staged.base[n] - local[n] for n in staged.base}
-        if not all(bool(torch.isfinite(t).all()) for t in delta.values()):
-            return Encoded(staged, None, None)
-        tensors = compress.encode_tensors(self.codec, delta, self.feedback)
-        rebase = self.config.sync.on_receive == "rebase"
-        return Encoded(staged, tensors, {n: -t for n, t in delta.items()} if rebase else None)
-
-    def _send(self, fragment: int, item: InFlight) -> None:
-        message = wire.Message(
-            kind=wire.CONTRIBUTION,
-            run=self.run_name,
-            round=item.target_round,
-            fragment=fragment,
-            meta={
-                "peer": self.peer_id,
-                "base_round": item.base_round,
-                "tokens": item.tokens,
-                "steps": item.steps,
-                "step_time_s": self.progress.step_time_s,
-                "first_step": max(item.first_step, 0),
-                "last_step": max(item.last_step, 0),
-            },
-            tensors=item.tensors,
-        )
-        frame = wire.encode_message(message)
-        self.progress.bytes_sent += len(frame)
-        item.future = self.submit(fragment, item.target_round, frame)
-        self.in_flight[fragment] = item
+    def _sent(self, frame_bytes: int) -> None:
+        """A contribution of `frame_bytes` went to the network."""
+        self.progress.bytes_sent += frame_bytes
         self.progress.status = "syncing"
-        self.on_event(
-            {
-                "event": "shipped",
-                "fragment": fragment,
-                "round": item.target_round,
-                "base_round": item.base_round,
-                "tokens": item.tokens,
-                "steps": item.steps,
-                "first_step": item.first_step,
-                "last_step": item.last_step,
-            }
-        )
-        log.info(
-            "shipped fragment=%d round=%d base=%d tokens=%d bytes=%d",
-            fragment,
-            item.target_round,
-            item.base_round,
-            item.tokens,
-            len(frame),
-        )
 
     # --- results that arrived -----------------------------------------------------------
 
     def collect_outcomes(self) -> None:
         """Read the synchronizers' answers; decide the deltas an answer decides."""
-        for fragment, item in list(self.in_flight.items()):
+        for fragment, item in list(self.book.in_flight.items()):
             if item.reply or not item.future.done():
                 continue
             try:
@@ -465,82 +294,45 @@ class Learner:
             if outcome.latency_s > 0.0:
                 self.progress.latencies_s.append(outcome.latency_s)
             self.on_event(
-                {
-                    "event": "contributed",
-                    "fragment": fragment,
-                    "round": outcome.round,
-                    "status": outcome.status,
-                    "weight": outcome.weight,
-                    "synchronizer": outcome.synchronizer,
-                    "reason": outcome.reason,
-                }
-            )
+                {"event": "contributed", "fragment": fragment, "round": outcome.round, "status": outcome.status,
+                 "weight": outcome.weight, "synchronizer": outcome.synchronizer, "reason": outcome.reason}
+            )  # fmt: skip
             self.progress.status = "training"
             if outcome.status == REJECTED:
                 # the swarm refused this work: folding it would send it again, and bigger
-                self._decide(fragment, item, lost=f"refused: {outcome.reason}"[:120])
-            elif outcome.status != MERGED and outcome.status not in AMBIGUOUS:
+                self._decide(fragment, LOST, f"refused: {outcome.reason}"[:120])
+            elif outcome.status != MERGED_REPLY and outcome.status not in ("unreachable", "failed"):
                 if outcome.status == LATE:
-                    self.closed_round[fragment] = (item.target_round, time.monotonic())
-                self._decide(fragment, item, merged=False, why=outcome.status)
-        self._decide_ambiguous()
+                    self.book.closed_round[fragment] = (item.target_round, time.monotonic())
+                self._decide(fragment, FOLDED, outcome.status)
+        # a synchronizer gone silent: folded once its round's deadline passed without a
+        # record listing it (a record that lists it later moves it out again)
+        for fragment in self.book.undecided_past(time.monotonic(), self.config.sync.round_deadline_s):
+            self._decide(fragment, FOLDED, self.book.in_flight[fragment].reply)
         self.settle()
 
-    def _decide_ambiguous(self) -> None:
-        """Fold a delta whose synchronizer went silent once its round's deadline passed
-        without a record listing it (a record that lists it later moves it out again)."""
-        patience_s = self.config.sync.round_deadline_s
-        for fragment, item in list(self.in_flight.items()):
-            if item.reply in AMBIGUOUS and time.monotonic() - item.replied_at > patience_s:
-                self._decide(fragment, item, merged=False, why=item.reply)
-
-    def _decide(
-        self,
-        fragment: int,
-        item: InFlight,
-        merged: bool = False,
-        why: str = "",
-        lost: str = "",
-        moved: bool = False,
-    ) -> None:
-        """The fate of the delta shipped against the current base: merged (its progress
-        leaves the model, unless the take-over `moved` it already), folded (it stays, the
-        next delta carries it) or lost."""
-        del self.in_flight[fragment]
-        key = (fragment, item.target_round)
-        ledger = self.ledgers[fragment]
-        progress = item.progress
-        item.progress = None  # decided: from now on only the encoded tensors are kept
-        if lost:
-            if progress is not None:
-                move_progress(self._params, progress, -1)
-                self.trainer.params_written(list(progress))
-            ledger.leave(item.claim)
-            self._report_lost(fragment, item.claim, lost)
-        elif merged:
-            if progress is not None and not moved:
-                move_progress(self._params, progress, -1)
-                self.trainer.params_written(list(progress))
-            ledger.leave(item.claim)
-            self.folded.pop(key, None)  # one delta of ours a round: an earlier one is not it
-            self._book(key, item, +1)
+    def _decide(self, fragment: int, kind: str, why: str = "", moved: bool = False) -> None:
+        """Decide the delta on its way for `fragment` (`DeltaBook.decide`) and move what
+        its fate moves: progress out of the model, counters, events."""
+        fate = self.book.decide(fragment, kind, moved)
+        item = fate.item
+        if fate.move_out is not None:
+            move_progress(self._params, fate.move_out, -1)
+            self.trainer.params_written(list(fate.move_out))
+        if kind == LOST:
+            self._report_lost(fragment, item.claim, why)
+        elif kind == MERGED:
+            self._count_merged(fragment, item, +1)
         else:
             # the error-feedback residual of a delta nobody merged would count twice
-            if self.feedback is not None:
+            if self.shipper.feedback is not None:
                 for name in self.bases[fragment][1]:
-                    self.feedback.reset(name)
-            self.folded[key] = item
+                    self.shipper.feedback.reset(name)
             self.on_event(
-                {
-                    "event": "delta_folded",
-                    "fragment": fragment,
-                    "round": item.target_round,
-                    "tokens": item.tokens,
-                    "steps": item.steps,
-                    "reason": why,
-                }
-            )
-        self._prune_decided()
+                {"event": "delta_folded", "fragment": fragment, "round": item.target_round,
+                 "tokens": item.tokens, "steps": item.steps, "reason": why}
+            )  # fmt: skip
+        self.book.prune(list(self.state.rounds), self.config.sync.max_staleness_rounds)
 
     def _report_lost(self, fragment: int, claim: Claim, reason: str) -> None:
         """Steps that no update will carry: counted by reason and said (invariant 6)."""
@@ -551,16 +343,9 @@ class Learner:
         lost[key] = lost.get(key, 0) + claim.steps
         log.warning("steps lost fragment=%d steps=%d reason=%s", fragment, claim.steps, reason)
         self.on_event(
-            {
-                "event": "steps_lost",
-                "fragment": fragment,
-                "steps": claim.steps,
-                "tokens": claim.tokens,
-                "first_step": claim.first_step,
-                "last_step": claim.last_step,
-                "reason": reason,
-            }
-        )
+            {"event": "steps_lost", "fragment": fragment, "steps": claim.steps, "tokens": claim.tokens,
+             "first_step": claim.first_step, "last_step": claim.last_step, "reason": reason}
+        )  # fmt: skip
 
     def round_settled(self, fragment: int, round_id: int, contributors: Iterable[str]) -> None:
         """The replica passed (fragment, round) and its canonical record lists
@@ -576,72 +361,44 @@ class Learner:
                 fragment, round_id, contributors = self.settled.get_nowait()
             except queue.Empty:
                 break
-            key = (fragment, round_id)
-            listed = self.peer_id in contributors
-            undecided = self.in_flight.get(fragment)
-            if undecided is not None and undecided.target_round == round_id:
-                continue  # the take-over decides it by the same record
-            if key in self.booked and not listed:
-                log.warning("a rival update took round=%d fragment=%d", round_id, fragment)
-                self._flip(fragment, self._book(key, self.booked[key], -1), +1)
-            elif key in self.folded and listed and key not in self.booked:
-                log.warning("the record of round=%d fragment=%d lists a folded delta", round_id, fragment)
-                item = self.folded.pop(key)
-                self._flip(fragment, item, -1)
-                self._book(key, item, +1)
-        self._prune_decided()
+            flip = self.book.settle(fragment, round_id, contributors, self.peer_id)
+            if flip is not None:
+                self._apply_flip(fragment, round_id, flip)
+        self.book.prune(list(self.state.rounds), self.config.sync.max_staleness_rounds)
 
-    def _flip(self, fragment: int, item: InFlight, sign: int) -> None:
+    def _apply_flip(self, fragment: int, round_id: int, flip: Flip) -> None:
         """Move a decided delta's progress back into the model (+1) or out of it (-1)."""
-        ledger = self.ledgers[fragment]
-        if not item.tensors:
-            if sign > 0:  # too stale to keep: its work is gone with the rival's round
-                self._report_lost(fragment, item.claim, "rival_record")
-            return
-        delta = compress.decode_tensors(item.tensors, finite=False)
-        move_progress(self._params, {n: -t for n, t in delta.items()}, sign)
-        self.trainer.params_written(list(delta))
+        item, sign = flip.item, flip.sign
         if sign > 0:
-            ledger.come_back(item.claim)
+            log.warning("a rival update took round=%d fragment=%d", round_id, fragment)
+            self._count_merged(fragment, item, -1)
         else:
-            ledger.leave(item.claim)
-        self.on_event(
-            {"event": "delta_unmerged" if sign > 0 else "delta_merged_late", "fragment": fragment,
-             "round": item.target_round, "steps": item.steps, "tokens": item.tokens}
-        )  # fmt: skip
+            log.warning("the record of round=%d fragment=%d lists a folded delta", round_id, fragment)
+        if item.tensors:
+            delta = compress.decode_tensors(item.tensors, finite=False)
+            move_progress(self._params, {n: -t for n, t in delta.items()}, sign)
+            self.trainer.params_written(list(delta))
+            self.on_event(
+                {"event": "delta_unmerged" if sign > 0 else "delta_merged_late", "fragment": fragment,
+                 "round": item.target_round, "steps": item.steps, "tokens": item.tokens}
+            )  # fmt: skip
+        elif sign > 0:  # too stale to keep: its work is gone with the rival's round
+            self._report_lost(fragment, item.claim, "rival_record")
+        if sign < 0:
+            self._count_merged(fragment, item, +1)
 
-    def _book(self, key: tuple[int, int], item: InFlight, sign: int) -> InFlight:
-        """Count (+1) or un-count (-1) a merged delta; a counted one is kept in `booked`."""
+    def _count_merged(self, fragment: int, item: InFlight, sign: int) -> None:
+        """Count (+1) or un-count (-1) a merged delta in the progress."""
         self.progress.rounds_contributed += sign
         self.progress.tokens_contributed += sign * item.tokens
         self.progress.steps_contributed += sign * item.steps
         if sign > 0:
             self.progress.last_weight = item.weight
-            self.booked[key] = item  # bounded by `_prune_decided`
             self.on_event(
-                {"event": "delta_merged", "fragment": key[0], "round": key[1], "tokens": item.tokens,
+                {"event": "delta_merged", "fragment": fragment, "round": item.target_round, "tokens": item.tokens,
                  "steps": item.steps, "first_step": item.first_step, "last_step": item.last_step,
                  "weight": item.weight}
             )  # fmt: skip
-        else:
-            self.booked.pop(key, None)
-        return item
-
-    def _prune_decided(self) -> None:
-        """Bound what decided deltas hold. One whose base is more than
-        `max_staleness_rounds` behind its fragment will not see a rival any more that
-        could still matter: its encoded tensors go (at `150m` one is 76 MB). At most
-        `KEPT_PER_FRAGMENT` of each kind a fragment stay."""
-        limit = self.config.sync.max_staleness_rounds
-        for kept in (self.booked, self.folded):
-            count: dict[int, int] = {}
-            for key in sorted(kept, key=lambda k: -k[1]):  # newest rounds first
-                fragment, item = key[0], kept[key]
-                count[fragment] = count.get(fragment, 0) + 1
-                if count[fragment] > KEPT_PER_FRAGMENT:
-                    del kept[key]
-                elif item.tensors and self.state.round_of(fragment) - item.base_round > limit:
-                    item.tensors = {}
 
     def take_over_updates(self) -> None:
         """Take over fragments whose global state moved (an update applied, or a repair):
@@ -654,13 +411,9 @@ class Learner:
         if 0 in updated and self.eval_set:
             self.progress.eval_loss = self.evaluate_global()
             self.on_event(
-                {
-                    "event": "eval",
-                    "rounds": list(self.state.rounds),
-                    "eval_loss": self.progress.eval_loss,
-                    "step": self.progress.step,
-                }
-            )
+                {"event": "eval", "rounds": list(self.state.rounds), "eval_loss": self.progress.eval_loss,
+                 "step": self.progress.step}
+            )  # fmt: skip
 
     @torch.no_grad()
     def load_global_into_model(self, fragments: Iterable[int]) -> None:
@@ -672,15 +425,15 @@ class Learner:
         self.send_staged(fragments)  # a staged delta is taken before its fragment changes
         written = []
         for fragment in fragments:
-            old_round, old_base = self.bases[fragment]
+            _old_round, old_base = self.bases[fragment]
             with self.state.lock:
                 new_round, new_base = self.state.fragment_params(fragment)
                 self.base_hashes[fragment] = self.state.current_hash(fragment)
-            item = self.in_flight.get(fragment)
+            item = self.book.in_flight.get(fragment)
             merged = None
             if item is not None and item.target_round < new_round:
                 listed = self.contributors_of(fragment, item.target_round)
-                merged = item.reply == MERGED if listed is None else self.peer_id in listed
+                merged = item.reply == MERGED_REPLY if listed is None else self.peer_id in listed
                 if merged and isinstance(listed, Mapping):  # decided before the reply came
                     item.weight = float(listed[self.peer_id])
             leaving = item.progress if merged and item is not None else None
@@ -688,9 +441,9 @@ class Learner:
             self.bases[fragment] = (new_round, new_base)
             written.extend(new_base)
             if merged is not None and item is not None:
-                self._decide(fragment, item, merged=merged, why=item.reply or "not in the record", moved=True)
+                self._decide(fragment, MERGED if merged else FOLDED, item.reply or "not in the record", moved=True)
             if mode != "rebase":
-                self._report_lost(fragment, self.ledgers[fragment].clear(), mode)
+                self._report_lost(fragment, self.book.ledgers[fragment].clear(), mode)
         self.trainer.params_written(written)
 
     @torch.no_grad()
@@ -701,12 +454,12 @@ class Learner:
         What a checkpoint keeps so a restart loses only the steps since it was taken."""
         work: dict[int, dict] = {}
         for fragment, (_round, base) in self.bases.items():
-            item = self.in_flight.get(fragment)
+            item = self.book.in_flight.get(fragment)
             carried = item.progress if item is not None and item.progress is not None else None
             progress = progress_of(self._params, base)
             if carried is not None:
                 progress = {n: local - carried[n] for n, local in progress.items()}
-            ledger = self.ledgers[fragment]
+            ledger = self.book.ledgers[fragment]
             claim = item.claim if carried is not None else None
             work[fragment] = {
                 "progress": progress,
@@ -743,7 +496,7 @@ class Learner:
         for fragment, saved in work.items():
             move_progress(self._params, saved["progress"], +1)
             written.extend(saved["progress"])
-            ledger = self.ledgers[fragment]
+            ledger = self.book.ledgers[fragment]
             ledger.tokens, ledger.steps, ledger.last_step = saved["tokens"], saved["steps"], saved["last_step"]
         self.trainer.params_written(written)
         return None
@@ -759,7 +512,7 @@ class Learner:
             for name, value in self.bases[fragment][1].items():
                 self._params[name].copy_(value.to(self._params[name].device, self._params[name].dtype))
                 written.append(name)
-            lost = self.ledgers[fragment].clear()
+            lost = self.book.ledgers[fragment].clear()
             if reason:
                 self._report_lost(fragment, lost, reason)
         self.trainer.params_written(written)

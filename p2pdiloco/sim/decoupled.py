@@ -374,12 +374,12 @@ class DecoupledSwarm:
         """The run's figures, once every learner's encoder has finished."""
         out, learners = self.out, self.learners
         for x in learners:
-            x.learner.encoder.shutdown(wait=True)
+            x.learner.shipper.encoder.shutdown(wait=True)
             for reason, count in x.learner.progress.lost_steps.items():
                 out.lost_steps[reason] = out.lost_steps.get(reason, 0) + count
         out.bytes_per_learner = sum(x.bytes_sent for x in learners) // len(learners)
         out.rounds = list(self.chain.state.rounds)
         out.sim_time_s = self.now
         out.steps = [x.learner.progress.step for x in learners]
-        out.local_steps = sum(ledger.steps for x in learners for ledger in x.learner.ledgers)
+        out.local_steps = sum(ledger.steps for x in learners for ledger in x.learner.book.ledgers)
         return out

@@ -21,18 +21,19 @@ from itertools import cycle
 
 from p2pdiloco import compress
 from p2pdiloco.cli.main import main as cli_main
-from p2pdiloco.roles.learner import InFlight, Learner
+from p2pdiloco.protocol.deltas import InFlight
+from p2pdiloco.roles.shipping import Shipper
 
 log = logging.getLogger("byzantine")
 
 
 def corrupting(modes: list[str]):
-    """A replacement for `Learner._send` that corrupts each item by the next mode."""
-    original = Learner._send
+    """A replacement for `Shipper._send` that corrupts each item by the next mode."""
+    original = Shipper._send
     turns: dict[int, Iterator[str]] = {}
     first: dict[int, dict] = {}
 
-    def send(self: Learner, fragment: int, item: InFlight) -> None:
+    def send(self: Shipper, fragment: int, item: InFlight) -> None:
         first.setdefault(fragment, item.tensors)
         mode = next(turns.setdefault(fragment, cycle(modes)))  # each fragment sees every mode
         if mode in ("scale", "flip"):
@@ -56,7 +57,7 @@ def main() -> int:
     parser.add_argument("--modes", default="scale,flip,tokens,replay")
     parser.add_argument("join", nargs=argparse.REMAINDER)
     args = parser.parse_args()
-    Learner._send = corrupting(args.modes.split(","))
+    Shipper._send = corrupting(args.modes.split(","))
     join = args.join[1:] if args.join[:1] == ["--"] else args.join
     return cli_main(["join", *join])
 
