@@ -89,7 +89,7 @@ def _compress_implements(name: str) -> bool:
 
 
 def test_codec_names_match_the_config() -> None:
-    """The names config validation accepts are exactly the codecs compress.py builds.
+    """The names config validation accepts are exactly the codecs the compress package builds.
 
     `compress.CODECS` is `config.CODECS` (one tuple), so comparing them proves nothing: both
     sets are found by trying every string literal of either module, one through
