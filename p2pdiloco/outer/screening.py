@@ -433,6 +433,10 @@ def screen(
     candidates permutes the verdicts (the merge itself adds in candidate order, so give
     it in a canonical one, e.g. sorted by peer). Never raises on what a peer sent, given
     `params` (they fix the layout a delta must have).
+
+    Four checks, in order, each on the candidates the ones before kept: the claims and
+    the layout (`_refuse_malformed`), the norm (`_bound_norms`), the direction against
+    the outer momentum (`_check_momentum`) and against the others (`_check_others`).
     """
     peers = [c.peer for c in candidates]
     if len(set(peers)) != len(peers):
@@ -448,80 +452,11 @@ def screen(
         max_tokens_per_step,
         min_history=rules.min_history,
     )
-    layout = {n: tuple(t.shape) for n, t in params.items()} if params else None
     norms = [tensor_norm(c.delta) for c in candidates]
-    for i, c in enumerate(candidates):
-        if layout is not None and layout_of(c.delta) != layout:
-            reasons[i] = "delta layout differs from the fragment"
-        elif c.steps <= 0 or tokens[i] <= 0:
-            reasons[i] = "contribution claims no work"
-        elif not math.isfinite(norms[i]):
-            reasons[i] = "delta norm is not finite"
-        elif norms[i] == 0.0:
-            reasons[i] = "delta is zero"
-
-    # Norm: clip to a multiple of a reference the window cannot move, refuse far above it.
-    alive = [i for i in range(count) if not reasons[i]]
-    param_norm = tensor_norm(params) if params else None
-    clip, source = clip_threshold(
-        history.norms,
-        [norms[i] for i in alive],
-        rules.clip_factor,
-        param_norm=param_norm,
-        max_param_ratio=rules.max_param_ratio,
-        min_history=rules.min_history,
-    )
-    refuse = clip * rules.refuse_factor
-    reference = reference_tokens(history.tokens, [candidates[i].tokens for i in alive], rules.min_history)
-    scales = [0.0] * count
-    for i in alive:
-        # a delta carrying more work has a larger norm: the bounds grow with it (folded
-        # deltas carry every step since their learner's last merge, issue 26)
-        own_refuse = refuse * work_ratio(candidates[i].tokens, reference, MAX_WORK_RATIO)
-        if norms[i] > own_refuse:
-            reasons[i] = (
-                f"delta norm {norms[i]:.4g} is above {own_refuse:.4g} (refuse bound, from {source})"
-            )
-        else:
-            scales[i] = clip_scale(norms[i], clip * work_ratio(tokens[i], reference, rules.token_factor))
-    if source in ("none", "parameters"):
-        notes.append(f"no norm history: clip from {source} only")
-
-    # Direction against the outer momentum, which every replica holds (zero in round 0).
-    alive = [i for i in range(count) if not reasons[i]]
-    momentum_cos: dict[int, float] = {}
-    cosines = momentum_cosines(
-        [candidates[i].delta for i in alive], [norms[i] for i in alive], momentum or {}
-    )
-    if cosines is None:
-        notes.append("outer momentum is zero: no momentum direction check")
-    else:
-        for i, cos in zip(alive, cosines, strict=True):
-            momentum_cos[i] = cos
-            if not cos >= rules.momentum_min_cosine:
-                reasons[i] = (
-                    f"cosine {cos:.3f} with the outer momentum is below {rules.momentum_min_cosine:g}"
-                )
-
-    # Direction against the others: drop the worst while it is below the line.
-    pool = [i for i in range(count) if not reasons[i]]
-    loo: dict[int, float] = {}
-    if len(pool) >= rules.min_loo_peers:
-        members = list(pool)
-        while len(members) >= rules.min_loo_peers:
-            by_peer = sorted(range(len(members)), key=lambda k: peers[members[k]])
-            values = loo_cosines(
-                [candidates[i].delta for i in members], [norms[i] for i in members], by_peer
-            )
-            scored = [(v, peers[i], i) for i, v in zip(members, values, strict=True) if v is not None]
-            loo.update({i: v for v, _, i in scored})
-            if not scored or min(scored)[0] >= rules.loo_min_cosine:
-                break
-            worst, _, i = min(scored)  # ties broken by peer id: order-free
-            reasons[i] = f"cosine {worst:.3f} with the other deltas is below {rules.loo_min_cosine:g}"
-            members.remove(i)
-    else:
-        notes.append(f"{len(pool)} deltas: no leave-one-out direction check")
+    _refuse_malformed(candidates, tokens, norms, params, reasons)
+    clip, refuse, source, scales = _bound_norms(candidates, tokens, norms, history, rules, params, reasons, notes)
+    momentum_cos = _check_momentum(candidates, norms, momentum, rules, reasons, notes)
+    loo = _check_others(candidates, norms, rules, reasons, notes)
 
     kept = [i for i in range(count) if not reasons[i]]
     weights = token_weights(
@@ -548,6 +483,121 @@ def screen(
         for i in range(count)
     )
     return Screening(verdicts, clip, refuse, source, tuple(notes))
+
+
+def _refuse_malformed(
+    candidates: Sequence[Candidate],
+    tokens: list[int],
+    norms: list[float],
+    params: Mapping[str, torch.Tensor] | None,
+    reasons: list[str],
+) -> None:
+    """Refuse (in `reasons`) a delta of another layout, one claiming no work, and one whose
+    norm is not finite or zero."""
+    layout = {n: tuple(t.shape) for n, t in params.items()} if params else None
+    for i, c in enumerate(candidates):
+        if layout is not None and layout_of(c.delta) != layout:
+            reasons[i] = "delta layout differs from the fragment"
+        elif c.steps <= 0 or tokens[i] <= 0:
+            reasons[i] = "contribution claims no work"
+        elif not math.isfinite(norms[i]):
+            reasons[i] = "delta norm is not finite"
+        elif norms[i] == 0.0:
+            reasons[i] = "delta is zero"
+
+
+def _bound_norms(
+    candidates: Sequence[Candidate],
+    tokens: list[int],
+    norms: list[float],
+    history: History,
+    rules: ScreeningRules,
+    params: Mapping[str, torch.Tensor] | None,
+    reasons: list[str],
+    notes: list[str],
+) -> tuple[float, float, str, list[float]]:
+    """Clip to a multiple of a reference the window cannot move, refuse far above it:
+    (clip, refuse bound, where the reference came from, each candidate's scale)."""
+    alive = [i for i in range(len(candidates)) if not reasons[i]]
+    param_norm = tensor_norm(params) if params else None
+    clip, source = clip_threshold(
+        history.norms,
+        [norms[i] for i in alive],
+        rules.clip_factor,
+        param_norm=param_norm,
+        max_param_ratio=rules.max_param_ratio,
+        min_history=rules.min_history,
+    )
+    refuse = clip * rules.refuse_factor
+    reference = reference_tokens(history.tokens, [candidates[i].tokens for i in alive], rules.min_history)
+    scales = [0.0] * len(candidates)
+    for i in alive:
+        # a delta carrying more work has a larger norm: the bounds grow with it (folded
+        # deltas carry every step since their learner's last merge, issue 26)
+        own_refuse = refuse * work_ratio(candidates[i].tokens, reference, MAX_WORK_RATIO)
+        if norms[i] > own_refuse:
+            reasons[i] = (
+                f"delta norm {norms[i]:.4g} is above {own_refuse:.4g} (refuse bound, from {source})"
+            )
+        else:
+            scales[i] = clip_scale(norms[i], clip * work_ratio(tokens[i], reference, rules.token_factor))
+    if source in ("none", "parameters"):
+        notes.append(f"no norm history: clip from {source} only")
+    return clip, refuse, source, scales
+
+
+def _check_momentum(
+    candidates: Sequence[Candidate],
+    norms: list[float],
+    momentum: Mapping[str, torch.Tensor] | None,
+    rules: ScreeningRules,
+    reasons: list[str],
+    notes: list[str],
+) -> dict[int, float]:
+    """Direction against the outer momentum, which every replica holds (zero in round 0):
+    each alive candidate's cosine; those below the line are refused."""
+    alive = [i for i in range(len(candidates)) if not reasons[i]]
+    momentum_cos: dict[int, float] = {}
+    cosines = momentum_cosines(
+        [candidates[i].delta for i in alive], [norms[i] for i in alive], momentum or {}
+    )
+    if cosines is None:
+        notes.append("outer momentum is zero: no momentum direction check")
+        return momentum_cos
+    for i, cos in zip(alive, cosines, strict=True):
+        momentum_cos[i] = cos
+        if not cos >= rules.momentum_min_cosine:
+            reasons[i] = f"cosine {cos:.3f} with the outer momentum is below {rules.momentum_min_cosine:g}"
+    return momentum_cos
+
+
+def _check_others(
+    candidates: Sequence[Candidate],
+    norms: list[float],
+    rules: ScreeningRules,
+    reasons: list[str],
+    notes: list[str],
+) -> dict[int, float]:
+    """Direction against the others (leave-one-out): drop the worst while it is below the
+    line; each scored candidate's cosine."""
+    peers = [c.peer for c in candidates]
+    pool = [i for i in range(len(candidates)) if not reasons[i]]
+    loo: dict[int, float] = {}
+    if len(pool) < rules.min_loo_peers:
+        notes.append(f"{len(pool)} deltas: no leave-one-out direction check")
+        return loo
+    members = list(pool)
+    while len(members) >= rules.min_loo_peers:
+        by_peer = sorted(range(len(members)), key=lambda k: peers[members[k]])
+        values = loo_cosines([candidates[i].delta for i in members], [norms[i] for i in members], by_peer)
+        scored = [(v, peers[i], i) for i, v in zip(members, values, strict=True) if v is not None]
+        loo.update({i: v for v, _, i in scored})
+        if not scored or min(scored)[0] >= rules.loo_min_cosine:
+            break
+        worst, _, i = min(scored)  # ties broken by peer id: order-free
+        reasons[i] = f"cosine {worst:.3f} with the other deltas is below {rules.loo_min_cosine:g}"
+        members.remove(i)
+    return loo
 
 
 def merge_screened(

@@ -173,7 +173,14 @@ class PeerMetrics:
         self.peer = Info("p2pdiloco_peer", "This peer: its id, run and version.", registry=r)
         self.peer.info({"peer_id": "", "run": run, "version": __version__})
         self.events = counter("p2pdiloco_events", "Events emitted, by name.", ["event"])
-        # --- this learner
+        self._learner_metrics(counter, gauge, r)
+        self._synchronizer_metrics(counter, gauge, r)
+        self._replica_metrics(counter, gauge, r)
+        self._shipped_staleness: dict[tuple[int, int], int] = {}
+        self._lock = threading.Lock()
+
+    def _learner_metrics(self, counter: Callable, gauge: Callable, r: CollectorRegistry) -> None:
+        """This learner: losses, its deltas and their fates, its weight and staleness."""
         self.loss = gauge("p2pdiloco_loss", "Training loss of the last logged inner step.")
         self.eval_loss = gauge("p2pdiloco_eval_loss", "Held-out loss of the global model.")
         self.rounds_contributed = counter(
@@ -207,7 +214,9 @@ class PeerMetrics:
             buckets=(0, 1, 2, 3, 4, 6, 8, 16),
             registry=r,
         )
-        # --- as synchronizer
+
+    def _synchronizer_metrics(self, counter: Callable, gauge: Callable, r: CollectorRegistry) -> None:
+        """As synchronizer: rounds closed, grace, contributors, refusals."""
         self.rounds_closed = counter("p2pdiloco_rounds_closed", "Rounds committed as synchronizer.")
         self.grace = Histogram(
             "p2pdiloco_grace_seconds",
@@ -224,7 +233,9 @@ class PeerMetrics:
         self.rejected = counter(
             "p2pdiloco_rejected_contributions", "Contributions refused, by reason.", ["reason"]
         )
-        # --- the replica
+
+    def _replica_metrics(self, counter: Callable, gauge: Callable, r: CollectorRegistry) -> None:
+        """The replica: rounds, hash agreement, repairs, downloads, audits."""
         self.replica_round = gauge(
             "p2pdiloco_replica_round", "Rounds applied to this replica's fragment.", ["fragment"]
         )
@@ -241,8 +252,6 @@ class PeerMetrics:
         self.audits = counter("p2pdiloco_audits", "Rounds recomputed, by verdict.", ["verdict"])
         self.convictions = counter("p2pdiloco_convictions", "False merges this peer proved.")
         self.voided = counter("p2pdiloco_rounds_voided", "Committed rounds nobody could serve.")
-        self._shipped_staleness: dict[tuple[int, int], int] = {}
-        self._lock = threading.Lock()
 
     def on_event(self, event: dict[str, Any]) -> None:
         """Count one event (any thread); a malformed one is skipped and logged at debug."""

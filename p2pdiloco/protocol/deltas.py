@@ -11,15 +11,19 @@ fragment's `WorkLedger` follows every move, so a claim is always the work its de
 carries (invariant 6). The learner applies the moves to its parameters.
 
 Pure: the book holds tensors and integers and returns what to move; no clock, no network.
+`local_work_of` / `local_work_problem`: what a checkpoint keeps of the local progress.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from p2pdiloco.compress import EncodedTensor
-from p2pdiloco.protocol.ledger import Claim, Params, WorkLedger
+from p2pdiloco.protocol.ledger import Claim, Params, WorkLedger, progress_of
 
 KEPT_PER_FRAGMENT = 16
 """Decided deltas a learner keeps a fragment (merged and folded), to move their progress
@@ -165,3 +169,52 @@ class DeltaBook:
                     del kept[key]
                 elif item.tensors and rounds[fragment] - item.base_round > max_staleness_rounds:
                     item.tensors = {}
+
+
+Bases = Mapping[int, tuple[int, Mapping[str, torch.Tensor]]]
+"""Per fragment, the (round, global parameters) a learner's local progress stands on."""
+
+
+def local_work_of(params: Mapping[str, torch.Tensor], bases: Bases, book: DeltaBook) -> dict:
+    """Per fragment, the local work no committed round holds: `theta - base` minus the
+    progress of the delta on its way (if that one merges after a crash it is in the
+    global state; if not, it is lost with the crash), and its ledger less that claim.
+    What a checkpoint keeps so a restart loses only the steps since it was taken."""
+    work: dict[int, dict] = {}
+    for fragment, (_round, base) in bases.items():
+        item = book.in_flight.get(fragment)
+        carried = item.progress if item is not None and item.progress is not None else None
+        progress = progress_of(params, base)
+        if carried is not None:
+            progress = {n: local - carried[n] for n, local in progress.items()}
+        ledger = book.ledgers[fragment]
+        claim = item.claim if item is not None and carried is not None else None
+        work[fragment] = {
+            "progress": progress,
+            "tokens": ledger.tokens - (claim.tokens if claim else 0),
+            "steps": ledger.steps - (claim.steps if claim else 0),
+            "last_step": ledger.last_step,
+        }
+    return work
+
+
+def local_work_problem(work: object, bases: Bases) -> str | None:
+    """Why checkpointed `work` (`local_work_of`) does not fit these bases (None: it does):
+    every fragment, tensors of the model's names and shapes, finite, counters >= 0."""
+    if not isinstance(work, dict) or set(work) != set(bases):
+        return "no local work for this fragment layout"
+    for fragment, saved in work.items():
+        names = bases[fragment][1]
+        if not isinstance(saved, dict) or not isinstance(saved.get("progress"), dict):
+            return f"fragment {fragment}: malformed"
+        progress = saved["progress"]
+        if set(progress) != set(names) or any(
+            not isinstance(progress[n], torch.Tensor) or progress[n].shape != names[n].shape
+            or not bool(torch.isfinite(progress[n]).all())
+            for n in names
+        ):
+            return f"fragment {fragment}: tensors do not match the model"
+        counts = [saved.get(k) for k in ("tokens", "steps", "last_step")]
+        if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
+            return f"fragment {fragment}: bad counters"
+    return None

@@ -26,9 +26,18 @@ import torch
 
 from p2pdiloco import compress
 from p2pdiloco.config import RunConfig
-from p2pdiloco.protocol.deltas import FOLDED, LOST, MERGED, DeltaBook, Flip, InFlight
+from p2pdiloco.protocol.deltas import (
+    FOLDED,
+    LOST,
+    MERGED,
+    DeltaBook,
+    Flip,
+    InFlight,
+    local_work_of,
+    local_work_problem,
+)
 from p2pdiloco.protocol.fragments import fragments_due
-from p2pdiloco.protocol.ledger import Claim, move_progress, progress_of, take_over
+from p2pdiloco.protocol.ledger import Claim, move_progress, take_over
 from p2pdiloco.roles.shipping import Shipper, Submit
 from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.training.train import InnerTrainer, evaluate
@@ -448,26 +457,8 @@ class Learner:
 
     @torch.no_grad()
     def local_work(self) -> dict:
-        """Per fragment, the local work no committed round holds: `theta - base` minus the
-        progress of the delta on its way (if that one merges after a crash it is in the
-        global state; if not, it is lost with the crash), and its ledger less that claim.
-        What a checkpoint keeps so a restart loses only the steps since it was taken."""
-        work: dict[int, dict] = {}
-        for fragment, (_round, base) in self.bases.items():
-            item = self.book.in_flight.get(fragment)
-            carried = item.progress if item is not None and item.progress is not None else None
-            progress = progress_of(self._params, base)
-            if carried is not None:
-                progress = {n: local - carried[n] for n, local in progress.items()}
-            ledger = self.book.ledgers[fragment]
-            claim = item.claim if carried is not None else None
-            work[fragment] = {
-                "progress": progress,
-                "tokens": ledger.tokens - (claim.tokens if claim else 0),
-                "steps": ledger.steps - (claim.steps if claim else 0),
-                "last_step": ledger.last_step,
-            }
-        return work
+        """What a checkpoint keeps so a restart loses only the steps since (`local_work_of`)."""
+        return local_work_of(self._params, self.bases, self.book)
 
     @torch.no_grad()
     def restore_local_work(self, work: object) -> str | None:
@@ -476,22 +467,10 @@ class Learner:
         self.restart_from_base(reason="")
         if self.config.sync.on_receive != "rebase":
             return "local work is kept only with sync.on_receive = rebase"
-        if not isinstance(work, dict) or set(work) != set(self.bases):
-            return "no local work for this fragment layout"
-        for fragment, saved in work.items():
-            names = self.bases[fragment][1]
-            if not isinstance(saved, dict) or not isinstance(saved.get("progress"), dict):
-                return f"fragment {fragment}: malformed"
-            progress = saved["progress"]
-            if set(progress) != set(names) or any(
-                not isinstance(progress[n], torch.Tensor) or progress[n].shape != names[n].shape
-                or not bool(torch.isfinite(progress[n]).all())
-                for n in names
-            ):
-                return f"fragment {fragment}: tensors do not match the model"
-            counts = [saved.get(k) for k in ("tokens", "steps", "last_step")]
-            if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
-                return f"fragment {fragment}: bad counters"
+        problem = local_work_problem(work, self.bases)
+        if problem:
+            return problem
+        assert isinstance(work, dict)
         written = []
         for fragment, saved in work.items():
             move_progress(self._params, saved["progress"], +1)
