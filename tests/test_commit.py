@@ -30,7 +30,7 @@ from p2pdiloco.transport.base import PeerUnreachable, RemoteError, TransportClos
 from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
 from p2pdiloco.wire import messages
 from p2pdiloco.wire.contributions import seal_contribution
-from p2pdiloco.wire.updates import build_update_frame, update_digest
+from p2pdiloco.wire.updates import new_update, update_digest
 
 RUN = "commit"
 CONFIG = replace(
@@ -564,7 +564,7 @@ def update_frame(synchronizer: str, parent: str) -> bytes:
     tensors = compress.encode_tensors(
         compress.make_codec("fp32"), {"w": torch.ones(4, 4), "b": torch.ones(4)}
     )
-    return build_update_frame(RUN, 0, 0, synchronizer, parent, "new-hash", [("a", 1.0, 64)], tensors)
+    return new_update(RUN, 0, 0, synchronizer, parent, "new-hash", [("a", 1.0, 64)], tensors).frame
 
 
 async def hold(caller: Node, holder: Node, frame: bytes) -> wire.Message:
@@ -600,10 +600,10 @@ def test_hold_update_refuses_a_frame_that_names_another_synchronizer_than_the_ca
 
 def not_an_update(caller: Node) -> list[bytes]:
     """Frames a holder must refuse: junk, a contribution, an update of another layout."""
-    wrong_shape = build_update_frame(
+    wrong_shape = new_update(
         RUN, 0, 0, caller.peer_id, "p", "h", [],
         compress.encode_tensors(compress.make_codec("fp32"), {"w": torch.ones(2), "b": torch.ones(4)}),
-    )
+    ).frame
     return [b"", b"junk", caller.frame(1.0), wrong_shape]
 
 

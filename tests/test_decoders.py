@@ -90,9 +90,9 @@ def contribution(codec: str = "int8", zstd: bool = False) -> bytes:
 def update_frame(values: torch.Tensor | None = None) -> bytes:
     values = torch.randn(8, 33) if values is None else values
     tensors = compress.encode_tensors(make_codec("fp32"), {"w": values, "b": torch.randn(5)})
-    return updates.build_update_frame(
+    return updates.new_update(
         RUN, 3, 0, "sync-peer", "parent-hash", "new-hash", [("a", 0.5, 64), ("b", 0.5, 32)], tensors
-    )
+    ).frame
 
 
 def reply_frame(**meta: Any) -> bytes:

@@ -23,7 +23,7 @@ from p2pdiloco.errors import NetworkSetupError
 from p2pdiloco.events import EventSink
 from p2pdiloco.peer.addressbook import initial_peers_with_fallback, load_addresses
 from p2pdiloco.peer.clock import check_clock_at_join
-from p2pdiloco.peer.joined import JoinedPeer
+from p2pdiloco.peer.joined import JoinedPeer, run_on
 from p2pdiloco.peer.metrics import MetricsServer, PeerMetrics, Totals
 from p2pdiloco.training.ranks import follow_lead, join_ranks
 from p2pdiloco.transport.base import Transport
@@ -68,12 +68,7 @@ class PeerDaemon:
         """The joined peer, once the transport is up (its roles need the peer id)."""
 
     def _on_loop(self, coro, timeout_s: float):
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return future.result(timeout_s)
-        except TimeoutError:
-            future.cancel()
-            raise
+        return run_on(self.loop, coro, timeout_s)
 
     def run(self) -> int:
         """Join, train, leave. Returns an exit code (0: clean)."""

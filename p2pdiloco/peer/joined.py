@@ -45,6 +45,17 @@ SYNC_TIMEOUT_S = 300.0
 """Bound on bringing one fragment to the head of its chain (a state download included)."""
 
 
+def run_on(loop: asyncio.AbstractEventLoop, coro, timeout_s: float):
+    """Run `coro` on the event loop `loop` (another thread's) and wait for its result,
+    at most `timeout_s` (then it is cancelled and TimeoutError raised)."""
+    future = asyncio.run_coroutine_threadsafe(coro, loop)
+    try:
+        return future.result(timeout_s)
+    except TimeoutError:
+        future.cancel()
+        raise
+
+
 class JoinedPeer:
     """Replica, synchronizer, learner link, learner and membership of one peer in a run."""
 
@@ -132,12 +143,7 @@ class JoinedPeer:
             state.listeners.append(census.CensusOnEvent(self, self.emit).request)
 
     def _on_loop(self, coro, timeout_s: float):
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return future.result(timeout_s)
-        except TimeoutError:
-            future.cancel()
-            raise
+        return run_on(self.loop, coro, timeout_s)
 
     # --- a peer's life ----------------------------------------------------------------------
 

@@ -61,7 +61,7 @@ class Update:
         return compress.decode_tensors(self.tensors, shapes=shapes, finite=True)
 
 
-def build_update_frame(
+def new_update(
     run: str,
     round_id: int,
     fragment: int,
@@ -71,9 +71,11 @@ def build_update_frame(
     contributors: list[tuple[str, float, int]],
     tensors: dict[str, compress.EncodedTensor],
     grace_s: float = 0.0,
-) -> bytes:
-    """Encode the one frame that represents (round, fragment)'s outer update."""
-    return wire.encode_message(
+) -> Update:
+    """The `Update` a synchronizer commits, built from what it holds: the one frame that
+    represents (round, fragment)'s outer update, encoded once and never parsed back (it
+    is what `parse_update` of that frame returns)."""
+    frame = wire.encode_message(
         wire.Message(
             kind=wire.OUTER_UPDATE,
             run=run,
@@ -89,24 +91,6 @@ def build_update_frame(
             },
             tensors=tensors,
         )
-    )
-
-
-def new_update(
-    run: str,
-    round_id: int,
-    fragment: int,
-    synchronizer: str,
-    parent: str,
-    new_hash: str,
-    contributors: list[tuple[str, float, int]],
-    tensors: dict[str, compress.EncodedTensor],
-    grace_s: float = 0.0,
-) -> Update:
-    """The `Update` a synchronizer commits, built from what it holds (its frame encoded
-    once, nothing parsed back): what `parse_update` of that frame returns."""
-    frame = build_update_frame(
-        run, round_id, fragment, synchronizer, parent, new_hash, contributors, tensors, grace_s
     )
     return Update(
         frame=frame,
