@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -49,9 +48,6 @@ class StateDownload:
         self.limits = limits
         self.worker = worker
         self.on_event = on_event
-        self.shapes = [state.layout(f) for f in range(state.num_fragments)]
-        self.sizes = [sum(math.prod(shape) for shape in shapes.values()) for shapes in self.shapes]
-        """Parameters of each fragment (sizes a transfer's deadline)."""
         self.bytes_received = 0
 
     def donors(self, fragment: int) -> list[str]:
@@ -109,7 +105,7 @@ class StateDownload:
         """Every part of `fragment`'s state from `donor`, or None (logged) when it fails."""
         me = self.transport.peer_id
         assembler = PartsAssembler(fragment, self.state.fragments[fragment])
-        elements = self.sizes[fragment]
+        elements = self.state.sizes[fragment]
         loop = asyncio.get_running_loop()
         while not assembler.complete:
             request = wire.encode_message(
@@ -131,7 +127,7 @@ class StateDownload:
                 return None
             self.bytes_received += len(raw)
             piece = await loop.run_in_executor(
-                self.worker, decode_part, raw, self.run, fragment, self.shapes[fragment], self.limits
+                self.worker, decode_part, raw, self.run, fragment, self.state.layouts[fragment], self.limits
             )
             reason = piece if isinstance(piece, str) else assembler.add(piece)
             if reason:

@@ -345,13 +345,13 @@ class ReplicaSync:
                     peer,
                     f"{self.run}.{messages.RPC_GET_UPDATE}",
                     request,
-                    timeout_s=transfer_timeout_s(FETCH_TIMEOUT_S, self.downloads.sizes[record.fragment]),
+                    timeout_s=transfer_timeout_s(FETCH_TIMEOUT_S, self.state.sizes[record.fragment]),
                     max_response_bytes=self.limits.max_frame_bytes,
                 )
             except TransportError:
                 continue
             self._fetched_bytes += len(raw)
-            update = parse_update(raw, self.limits, self.run, self.server.shapes)
+            update = parse_update(raw, self.limits, self.run, self.state.layouts)
             if isinstance(update, wire.Rejected) or update.digest != record.digest:
                 continue
             self.keep(update)

@@ -40,7 +40,6 @@ class UpdateServer:
         self.limits = limits
         self.worker = worker
         self.store = UpdateStore()
-        self.shapes = [state.layout(f) for f in range(state.num_fragments)]
         self._serving: dict[int, FragmentState] = {}
         """Per fragment, the snapshot whose parts are being served (replaced once stale)."""
         self.state_limiter = RateLimiter(rate_per_s=1 / 30, burst=2 * state.num_fragments + 2)
@@ -58,7 +57,7 @@ class UpdateServer:
 
     async def rpc_hold_update(self, caller: str, request: bytes) -> bytes:
         """A synchronizer asks us to hold its update before it commits the round."""
-        update = parse_update(request, self.limits, self.run, self.shapes)
+        update = parse_update(request, self.limits, self.run, self.state.layouts)
         if isinstance(update, wire.Rejected):
             log.warning("refused update to hold peer=%s reason=%r", caller[-8:], update.reason)
             return self._reply(-1, 0, messages.REJECTED, reason=update.reason)

@@ -15,6 +15,7 @@ every round it applied (so a parent is never hashed again), and listeners.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Mapping
 
@@ -45,6 +46,12 @@ class GlobalState:
         self.lock = threading.RLock()
         self.applied_hashes: list[dict[int, str]] = [{} for _ in fragments]
         """Hash of each fragment after each round this replica applied (or downloaded)."""
+        self.layouts: list[Layout] = [
+            {n: tuple(self.params[n].shape) for n in names} for names in fragments
+        ]
+        """Per fragment, its tensor names and shapes (fixed for the run)."""
+        self.sizes = [sum(math.prod(shape) for shape in layout.values()) for layout in self.layouts]
+        """Per fragment, its number of parameters (sizes a transfer's deadline)."""
         self._genesis: list[str | None] = [None] * len(fragments)
         self.listeners: list[Callable[[int, int], None]] = []
         """Called as `listener(fragment, round)` after each applied update (any thread)."""
@@ -56,10 +63,6 @@ class GlobalState:
     def round_of(self, fragment: int) -> int:
         with self.lock:
             return self.rounds[fragment]
-
-    def layout(self, fragment: int) -> Layout:
-        """The fragment's tensor names and shapes."""
-        return {n: tuple(self.params[n].shape) for n in self.fragments[fragment]}
 
     def fragment_params(self, fragment: int) -> tuple[int, Params]:
         """(round, a copy of the fragment's parameters): the base a learner's delta refers to."""
@@ -146,7 +149,7 @@ class GlobalState:
     def checked_copy(self, state: FragmentState) -> FragmentState:
         """`check_fragment_state` against this replica's layout (no lock: reads the layout)."""
         if isinstance(state.fragment, int) and 0 <= state.fragment < self.num_fragments:
-            layout = self.layout(state.fragment)
+            layout = self.layouts[state.fragment]
         else:
             layout = {}
         return check_fragment_state(state, layout, self.num_fragments)

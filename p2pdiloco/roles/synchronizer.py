@@ -80,7 +80,6 @@ class Synchronizer:
         self.step_time = RunningMean()
         self.num_rejected = 0
         self._tasks: set[asyncio.Task] = set()
-        self.layouts = [state.layout(f) for f in range(state.num_fragments)]
 
     @property
     def peer_id(self) -> str:
@@ -161,7 +160,7 @@ class Synchronizer:
             return self._reject(-1, -1, refusal, caller)
         msg = wire.decode_message(frame, self.limits)
         checked = check_contribution(
-            msg, caller, self.run, self.state.rounds, self.layouts, self.config.sync.max_staleness_rounds
+            msg, caller, self.run, self.state.rounds, self.state.layouts, self.config.sync.max_staleness_rounds
         )
         if isinstance(checked, Refused):
             return self._refused(checked, caller)
@@ -174,7 +173,7 @@ class Synchronizer:
             if await self.committer.committed_elsewhere(target, fragment):
                 return self._late_reply(target, fragment, "round already closed elsewhere")
         loop = asyncio.get_running_loop()
-        delta = await loop.run_in_executor(self.worker, wire.lazy_tensors, msg, self.layouts[fragment])
+        delta = await loop.run_in_executor(self.worker, wire.lazy_tensors, msg, self.state.layouts[fragment])
         if isinstance(delta, wire.Rejected):
             return self._reject(target, fragment, delta.reason, caller)
         if self.state.round_of(fragment) != target:
