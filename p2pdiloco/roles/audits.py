@@ -206,12 +206,12 @@ class Audits:
         """The fragment's state at `record.parent`: ours if we are there, else the donor's
         (the notifying auditor stopped there), verified by its hash on a checked copy."""
         fragment = record.fragment
+        loop = asyncio.get_running_loop()
         if self.state.round_of(fragment) == record.round and parent_hash(fragment, record.round) == record.parent:
-            return self.state.export_fragment(fragment)
+            return await loop.run_in_executor(self.worker, self.state.export_fragment, fragment)
         state = await self.downloads.fetch(donor, fragment, record.round)
         if state is None or state.hash != record.parent or state.round != record.round:
             return None
-        loop = asyncio.get_running_loop()
         try:
             checked = await loop.run_in_executor(self.worker, self.state.checked_copy, state)
         except (ValueError, KeyError):

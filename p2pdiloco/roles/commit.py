@@ -63,6 +63,12 @@ BACKGROUND_PUSHES = 2
 the synchronizer's uplink with the rest."""
 
 
+COMMITTED_ELSEWHERE = "round committed elsewhere"
+"""`publish`: a rival record of the round exists; ours is not stored (learners: late)."""
+NOT_STORED = "round record not stored"
+"""`publish`: the DHT kept no record; nothing is committed (learners: no quorum)."""
+
+
 @dataclass(frozen=True)
 class Merged:
     """What step 1 computed: the merge, and (when something was kept and the replica is
@@ -271,11 +277,12 @@ class Committer:
         )
 
     async def publish(self, window: Window, merged: Merged, record: RoundRecord) -> str:
-        """Step 3, the commit point: "" once the record is stored, else why not."""
+        """Step 3, the commit point: "" once the record is stored, else why not
+        (`COMMITTED_ELSEWHERE` or `NOT_STORED`)."""
         if await self.committed_elsewhere(window.round, window.fragment):
-            return "round committed elsewhere"
+            return COMMITTED_ELSEWHERE
         if not await self._store_record(record):
-            return "round record not stored"
+            return NOT_STORED
         self.kept.put(window.round, window.fragment, [window.sealed[c.peer] for c in merged.result.candidates])
         return ""
 

@@ -55,6 +55,13 @@ NOTIFY_ROUNDS = 64
 """Rounds behind the replica's own whose records learners are still told of."""
 
 
+def decoded_with_norm(update: Update) -> tuple[dict[str, torch.Tensor], float]:
+    """The update's outer gradient, decoded once, and its L2 norm (worker thread);
+    ValueError when it does not decode or is not finite."""
+    decoded = update.decode()
+    return decoded, tensor_norm(decoded)
+
+
 class ResultMismatch(ValueError):
     """An update whose result does not hash to what its round record signs."""
 
@@ -239,12 +246,11 @@ class ReplicaSync:
         self.chains[record.fragment][record.round] = record
         loop = asyncio.get_running_loop()
         try:
-            decoded = await loop.run_in_executor(self.worker, update.decode)
+            decoded, norm = await loop.run_in_executor(self.worker, decoded_with_norm, update)
         except ValueError as exc:
             return self._refuse(record, f"update does not decode: {exc}")
-        norm = await loop.run_in_executor(self.worker, tensor_norm, decoded)
         if self.audits.should_audit(record, norm):
-            snapshot = self.state.export_fragment(record.fragment)
+            snapshot = await loop.run_in_executor(self.worker, self.state.export_fragment, record.fragment)
             result = await self.audit(record, snapshot)
             if result.verdict == MISMATCH:
                 await self._convicted(record, result.reason)

@@ -32,7 +32,7 @@ from p2pdiloco.protocol.windows import (
     clamp_tokens,
     overlap_steps_of,
 )
-from p2pdiloco.roles.commit import Committer
+from p2pdiloco.roles.commit import COMMITTED_ELSEWHERE, Committer
 from p2pdiloco.roles.replica import ReplicaSync
 from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.roles.window import Window
@@ -339,7 +339,7 @@ class Synchronizer:
         if failure:
             # No record, no commit: nothing is installed, the learners' bases did not move.
             log.warning("%s round=%d fragment=%d: not committed", failure, window.round, window.fragment)
-            late = failure == "round committed elsewhere"
+            late = failure == COMMITTED_ELSEWHERE
             self._finish(window, self._late_reply(window.round, window.fragment, failure) if late
                          else self._reply(window, messages.NO_QUORUM, reason=failure))  # fmt: skip
             return
