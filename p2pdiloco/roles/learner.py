@@ -115,7 +115,9 @@ class Learner:
         self.progress = LearnerProgress()
         self.book = DeltaBook(state.num_fragments)
         """Every shipped delta and its fate; the work ledger of each fragment."""
-        self.shipper = Shipper(peer_id, run, config, trainer, self.book, submit, self._sent, on_event)
+        self.shipper = Shipper(
+            peer_id, run, config, trainer, self.book, submit, self._sent, lambda: self.progress.step_time_s, on_event
+        )
         self._params = dict(trainer.model.named_parameters())
         self.bases: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
         """Per fragment, the global (round, parameters) the replica last took over: the
@@ -245,7 +247,6 @@ class Learner:
         self.book.count(tokens, p.step)
         p.step_time_s = step_time_s if p.step == 1 else 0.9 * p.step_time_s + 0.1 * step_time_s
         p.tokens_per_s = tokens / max(p.step_time_s, 1e-9)
-        self.shipper.step_time_s = p.step_time_s
 
     # --- ship a fragment ----------------------------------------------------------------
 

@@ -64,6 +64,7 @@ class Shipper:
         book: DeltaBook,
         submit: Submit,
         on_sent: Callable[[int], None],
+        step_time_s: Callable[[], float],
         on_event: Callable[[dict], None],
     ) -> None:
         self.peer_id = peer_id
@@ -74,6 +75,8 @@ class Shipper:
         self.submit = submit
         self.on_sent = on_sent
         """Told the bytes of each frame sent."""
+        self.step_time_s = step_time_s
+        """The learner's step time now, announced in each contribution (the grace window)."""
         self.on_event = on_event
         self.codec = compress.make_codec_from_config(config.compress)
         lossy = config.compress.codec not in ("fp32",)
@@ -85,8 +88,6 @@ class Shipper:
         """Takes deltas and encodes them beside the training thread."""
         self.encoding: dict[int, Future[Encoded]] = {}
         """Fragments with the encoder, sent by the loop once their encoding is done."""
-        self.step_time_s = 0.0
-        """The learner's step time, announced in each contribution (the grace window)."""
 
     def busy(self, fragment: int) -> bool:
         """Whether a delta of `fragment` is staged, encoding or on its way."""
@@ -157,7 +158,7 @@ class Shipper:
                 "base_round": item.base_round,
                 "tokens": item.tokens,
                 "steps": item.steps,
-                "step_time_s": self.step_time_s,
+                "step_time_s": self.step_time_s(),
                 "first_step": max(item.first_step, 0),
                 "last_step": max(item.last_step, 0),
             },
