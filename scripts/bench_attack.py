@@ -112,6 +112,8 @@ class RunFigures:
     eval_loss: float
     rounds_applied: int
     honest_rounds_kept: float
+    honest_refused: int
+    """Honest deltas the merge refused, over all rounds."""
     attacker_weight: float
     step_s: float
     """Mean seconds of one inner step (the round's compute is H of them)."""
@@ -132,7 +134,7 @@ def run(config, corpus: Corpus, eval_set, attack: Attack | None, rules) -> RunFi
     cap = max_tokens_per_step(config)
     records: list[list[tuple[float, int]]] = []
     memory: dict = {}
-    honest_kept = attacker_weights = applied = 0
+    honest_kept = honest_refused = attacker_weights = applied = 0
     step_time = 0.0
     last = None
     for round_id in range(rounds):
@@ -156,7 +158,9 @@ def run(config, corpus: Corpus, eval_set, attack: Attack | None, rules) -> RunFi
             outer_codec=outer_codec,
         )
         verdicts = {v.peer: v for v in result.screening.verdicts}
-        honest_kept += all(v.kept for p, v in verdicts.items() if p != f"peer{ATTACKER}")
+        honest = [v for p, v in verdicts.items() if p != f"peer{ATTACKER}"]
+        honest_kept += all(v.kept for v in honest)
+        honest_refused += sum(not v.kept for v in honest)
         attacker_weights += verdicts[f"peer{ATTACKER}"].weight
         kept = result.screening.kept
         if result.decoded is not None and len(kept) >= config.sync.min_quorum:
@@ -177,6 +181,7 @@ def run(config, corpus: Corpus, eval_set, attack: Attack | None, rules) -> RunFi
         eval_loss=loss if loss == loss else float("inf"),
         rounds_applied=applied,
         honest_rounds_kept=honest_kept / rounds,
+        honest_refused=honest_refused,
         attacker_weight=attacker_weights / rounds,
         step_s=step_time / (rounds * learners),
         last_round=last,
@@ -280,11 +285,70 @@ def defence_cost(config, clean: RunFigures, rules) -> dict:
     }
 
 
+NETWORK_ATTACKS: dict[str, str] = {
+    # benchmark name: the tests/net/adversary.py attacks it runs (comma-separated)
+    "sybil_heartbeats": "sybil_heartbeats",
+    "heartbeat_replay": "heartbeat_replay",
+    "slow_bodies": "slow_bodies",
+    "stale_donor": "stale_donor",
+    "notice_flood": "notice_flood",
+    "hold_flood": "hold_flood",
+    "forgeries": "forged_heartbeats,plain_values,fake_members,forged_records,bad_contributions,state_flood",
+}
+"""Attacks a stranger runs over the network against real peer processes (attack_swarm.py)."""
+QUICK_NETWORK = ("sybil_heartbeats", "heartbeat_replay", "slow_bodies")
+
+
+def merge_attacks(config, corpus, eval_set, names: list[str]) -> tuple[dict, RunFigures, RunFigures]:
+    """The in-process attacks on the merge: a Byzantine learner's deltas (see the top)."""
+    all_honest = run(config, corpus, eval_set, None, config.screening)
+    clean = run(config, corpus, eval_set, silent, config.screening)
+    attacks = {}
+    for name in names:
+        figures = run(config, corpus, eval_set, ATTACKS[name], config.screening)
+        attacks[name] = {
+            "rounds_ratio": figures.rounds_applied / max(clean.rounds_applied, 1),
+            "loss_shift": (figures.eval_loss - clean.eval_loss) / clean.eval_loss,
+            "honest_lost": figures.honest_refused,
+            "eval_loss": figures.eval_loss,
+            "vs_all_honest": (figures.eval_loss - all_honest.eval_loss) / all_honest.eval_loss,
+            "honest_rounds_kept": figures.honest_rounds_kept,
+            "attacker_weight": figures.attacker_weight,
+            "rounds_applied": figures.rounds_applied,
+            "where": "merge (in-process)",
+        }
+        print(f"{name:18s} loss {figures.eval_loss:.5f} shift {attacks[name]['loss_shift']:+.2%} "
+              f"honest kept {figures.honest_rounds_kept:.0%} attacker weight {figures.attacker_weight:.3f}")
+    return attacks, clean, all_honest
+
+
+def network_attacks(names: list[str], quick: bool) -> tuple[dict, dict]:
+    """Each network attack against its own real swarm, and a clean swarm for the loss."""
+    import attack_swarm  # noqa: PLC0415 - a sibling script; spawns processes only when asked
+
+    setting = attack_swarm.NetSetting(learners=3, window_s=30.0 if quick else 60.0, inner_steps=10)
+    print(f"network attacks: {setting.learners} learners, windows of {setting.window_s:.0f} s")
+    reference = attack_swarm.run_swarm(setting, None, print)
+    attacks = {}
+    for name in names:
+        attacked = attack_swarm.run_swarm(setting, NETWORK_ATTACKS[name], print)
+        attacks[name] = {**attack_swarm.attack_figures(attacked, reference), "where": "network (real processes)"}
+    clean = {
+        "setting": {**dataclasses.asdict(setting), "sets": setting.sets()},
+        "rounds_per_min_ratio_clean_vs_clean": attack_swarm.attack_figures(reference, reference)["rounds_ratio"],
+    }
+    return attacks, clean
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="about a minute on 2 cores")
+    parser.add_argument("--quick", action="store_true", help="a few minutes on 2 cores")
     parser.add_argument("--json", type=Path, help="write the figures here")
-    parser.add_argument("--attacks", default=",".join(ATTACKS), help="comma-separated subset")
+    parser.add_argument("--attacks", default=",".join(ATTACKS), help="merge attacks, comma-separated")
+    parser.add_argument(
+        "--network", default=None,
+        help=f"network attacks, comma-separated (default: all; --quick: {','.join(QUICK_NETWORK)}; 'none': skip)",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(2)
     rounds, steps, seq_len = (6, 6, 32) if args.quick else (16, 20, 64)
@@ -300,27 +364,21 @@ def main() -> int:
     corpus = Corpus.from_config(config.data)
     eval_set = heldout_batches(corpus, 8, config.train.batch_size, config.model.seq_len)
     started = time.perf_counter()
-    all_honest = run(config, corpus, eval_set, None, config.screening)
-    clean = run(config, corpus, eval_set, silent, config.screening)
-    attacks = {}
-    for name in args.attacks.split(","):
-        figures = run(config, corpus, eval_set, ATTACKS[name], config.screening)
-        attacks[name] = {
-            "eval_loss": figures.eval_loss,
-            "loss_shift": (figures.eval_loss - clean.eval_loss) / clean.eval_loss,
-            "vs_all_honest": (figures.eval_loss - all_honest.eval_loss) / all_honest.eval_loss,
-            "honest_rounds_kept": figures.honest_rounds_kept,
-            "attacker_weight": figures.attacker_weight,
-            "rounds_applied": figures.rounds_applied,
-        }
-        print(f"{name:18s} loss {figures.eval_loss:.5f} shift {attacks[name]['loss_shift']:+.2%} "
-              f"honest kept {figures.honest_rounds_kept:.0%} attacker weight {figures.attacker_weight:.3f}")
+    attacks, clean, all_honest = merge_attacks(config, corpus, eval_set, args.attacks.split(","))
     undefended = run(config, corpus, eval_set, ATTACKS["x1000"], UNDEFENDED)
     cost = defence_cost(config, all_honest, config.screening)
+    network = args.network or ",".join(QUICK_NETWORK if args.quick else NETWORK_ATTACKS)
+    network_setting: dict = {}
+    if network != "none":
+        found, network_setting = network_attacks(network.split(","), args.quick)
+        attacks.update(found)
     report = {
         "setting": {
-            "model": "tiny", "learners": 4, "inner_steps": steps, "rounds": rounds, "seq_len": seq_len,
-            "batch_size": 4, "attacker": "learner 0 of 4", "quick": args.quick,
+            "merge": {
+                "model": "tiny", "learners": 4, "inner_steps": steps, "rounds": rounds, "seq_len": seq_len,
+                "batch_size": 4, "attacker": "learner 0 of 4", "quick": args.quick,
+            },
+            "network": network_setting,
         },
         "clean_eval_loss": clean.eval_loss,
         "all_honest_eval_loss": all_honest.eval_loss,
@@ -330,15 +388,18 @@ def main() -> int:
             "loss_shift": (undefended.eval_loss - clean.eval_loss) / clean.eval_loss,
         },
         "defence_cost": cost,
-        "worst_loss_shift": max(a["loss_shift"] for a in attacks.values()),
+        "worst_loss_shift": max(a["loss_shift"] for a in attacks.values() if a["loss_shift"] is not None),
+        "worst_rounds_ratio": min(a["rounds_ratio"] for a in attacks.values()),
+        "honest_lost": sum(a["honest_lost"] for a in attacks.values()),
         "seconds": time.perf_counter() - started,
     }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
     print(
-        f"bench_attack: clean loss {clean.eval_loss:.4f}; worst loss shift {report['worst_loss_shift']:+.2%} "
-        f"over {len(attacks)} attacks (undefended x1000: {report['undefended_x1000']['loss_shift']:+.0%}); "
+        f"bench_attack: {len(attacks)} attacks; worst rounds ratio {report['worst_rounds_ratio']:.2f}, "
+        f"worst loss shift {report['worst_loss_shift']:+.2%}, honest lost {report['honest_lost']} "
+        f"(undefended x1000: {report['undefended_x1000']['loss_shift']:+.0%}); "
         f"defences cost {cost['seconds_share']:.2%} of a round's time, {cost['bytes_share']:.2%} of its bytes"
     )
     return 0

@@ -1,0 +1,222 @@
+"""The network half of `bench_attack.py`: a real swarm, a real attacker, rounds counted.
+
+For each attack: a bootstrap node and N learners (`p2pdiloco join`, separate processes on
+127.0.0.1, the embedded default's quorum, grace and fragments on the tiny model) train
+until every learner has applied a round; then a clean window of `window_s` seconds, then
+the attacker (tests/net/adversary.py: a stranger's program with fresh, valid identities
+and the run's public config) starts its attack and a second window of the same length
+follows. Per attack:
+
+    rounds_ratio   rounds committed per minute in the attack window / in the clean window
+                   (distinct (fragment, round) applied by any honest learner)
+    loss_shift     (held-out loss under attack - clean) / clean, at the same fragment-0
+                   round, against a swarm that ran as long with no attacker at all
+    honest_lost    honest deltas reported lost (`steps_lost`) in the attack window, beyond
+                   those lost in the clean window of the same swarm (churn loses some)
+    forks          (fragment, round) pairs applied with two different hashes by honest
+                   learners (must be 0)
+
+A window counts from the attacker's `ready` line, so its start-up is not charged to it.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from p2pdiloco.cli.argv import TINY_RUN, child_join_args  # noqa: E402
+from p2pdiloco.cli.launcher import Child, reap_all  # noqa: E402
+
+ADVERSARY = REPO / "tests" / "net" / "adversary.py"
+READY_S = 240.0
+JOIN_S = 300.0
+STOP_S = 30.0
+Event = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class NetSetting:
+    """Sizes of the networked attack runs (seconds)."""
+
+    learners: int
+    window_s: float
+    inner_steps: int
+    eval_batches: int = 2
+
+    def sets(self) -> list[str]:
+        """The run's overrides: the tiny model, the embedded default's sync section
+        (quorum, grace, fragments) apart from H, a learner using a fifth of a core."""
+        return [*TINY_RUN, f"sync.inner_steps={self.inner_steps}", "train.compute_share=0.3"]
+
+
+def _env() -> dict[str, str]:
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return {"PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath}
+
+
+@dataclass
+class AttackedSwarm:
+    """A bootstrap node, N learners and, for a while, one attacker."""
+
+    setting: NetSetting
+    workdir: Path
+    boot: Child | None = None
+    learners: list[Child] = field(default_factory=list)
+    attacker: Child | None = None
+
+    def start(self) -> None:
+        self.boot = Child.spawn(
+            [sys.executable, "-m", "p2pdiloco", "bootstrap", "--events"], "bootstrap", cwd=REPO, env=_env()
+        )
+        maddrs = self.boot.wait_ready(READY_S)["maddrs"]
+        for i in range(self.setting.learners):
+            own = self.workdir / f"learner{i}"
+            own.mkdir(parents=True, exist_ok=True)
+            flags = [
+                "--eval-batches", str(self.setting.eval_batches),
+                "--identity", str(own / "id.key"),
+                "--checkpoint-dir", str(own / "ckpt"),
+                "--data-rank", str(i),
+                "--wait-peers", str(self.setting.learners),
+                "--initial-peers", *maddrs,
+            ]  # fmt: skip
+            args = [sys.executable, *child_join_args(*flags, sets=self.setting.sets())]
+            self.learners.append(Child.spawn(args, f"learner{i}", cwd=REPO, env=_env()))
+        deadline = time.monotonic() + JOIN_S
+        for child in self.learners:
+            child.wait_ready(max(deadline - time.monotonic(), 1.0))
+        for child in self.learners:
+            child.wait_event(lambda e: e.get("event") == "applied", max(deadline - time.monotonic(), 1.0))
+
+    @property
+    def maddrs(self) -> list[str]:
+        assert self.boot is not None and self.boot.report is not None
+        return list(self.boot.report["maddrs"])
+
+    def peer_ids(self) -> list[str]:
+        return [c.report["peer_id"] for c in self.learners if c.report]
+
+    def launch_attacker(self, attacks: str, timeout_s: float) -> float:
+        """Start the attacker on `attacks`; the time it is ready (its DHT node joined)."""
+        args = [
+            sys.executable, str(ADVERSARY), "--run", "local", "--initial-peer", self.maddrs[0],
+            "--victims", ",".join(sorted(self.peer_ids())), "--attacks", attacks,
+        ]  # fmt: skip
+        # stdin stays open: the attacker stays in the DHT (its junk reachable) until it closes
+        self.attacker = Child.spawn(args, "adversary", cwd=REPO, env=_env(), stdin=True)
+        self.attacker.wait_ready(timeout_s)
+        return time.time()
+
+    def stop(self) -> None:
+        for child in [*self.learners, self.attacker, self.boot]:
+            if child is not None and child.alive():
+                child.request_stop()
+        deadline = time.monotonic() + STOP_S
+        for child in [*self.learners, self.attacker, self.boot]:
+            if child is not None and child.wait_exit(max(deadline - time.monotonic(), 0.1)) is None:
+                child.kill()
+
+
+def _events(children: list[Child], kind: str, start: float, end: float) -> list[Event]:
+    return [e for c in children for e in c.of(kind) if start <= e.get("t", 0.0) < end]
+
+
+def rounds_per_min(children: list[Child], start: float, end: float) -> float:
+    """Distinct (fragment, round) any of `children` applied in [start, end), per minute."""
+    done = {(e["fragment"], e["round"]) for e in _events(children, "applied", start, end)}
+    return len(done) * 60.0 / max(end - start, 1e-9)
+
+
+def lost_deltas(children: list[Child], start: float, end: float) -> int:
+    """Honest deltas reported lost in [start, end)."""
+    return len(_events(children, "steps_lost", start, end))
+
+
+def forks(children: list[Child]) -> int:
+    """(fragment, round) pairs that honest learners applied with different hashes."""
+    seen: dict[tuple[int, int], set[str]] = {}
+    for child in children:
+        for e in child.of("applied"):
+            seen.setdefault((e["fragment"], e["round"]), set()).add(e["hash"])
+    return sum(1 for hashes in seen.values() if len(hashes) > 1)
+
+
+def eval_by_round(children: list[Child]) -> dict[int, float]:
+    """Held-out loss by fragment-0 round: the mean over the learners that reported it."""
+    by_round: dict[int, list[float]] = {}
+    for child in children:
+        for e in child.of("eval"):
+            if e.get("rounds"):
+                by_round.setdefault(e["rounds"][0], []).append(e["eval_loss"])
+    return {r: statistics.fmean(v) for r, v in by_round.items()}
+
+
+def loss_at_common_round(attacked: dict[int, float], clean: dict[int, float]) -> tuple[int, float, float] | None:
+    """(round, attacked loss, clean loss) at the highest fragment-0 round both reached."""
+    common = sorted(set(attacked) & set(clean))
+    return (common[-1], attacked[common[-1]], clean[common[-1]]) if common else None
+
+
+def run_swarm(setting: NetSetting, attacks: str | None, log: Callable[[str], None]) -> dict[str, Any]:
+    """One swarm: a clean window, then (with `attacks`) an attacked window of the same length."""
+    with tempfile.TemporaryDirectory(prefix="bench-attack-") as tmp:
+        swarm = AttackedSwarm(setting, Path(tmp))
+        try:
+            swarm.start()
+            clean_start = time.time()
+            time.sleep(setting.window_s)
+            clean_end = time.time()
+            attack_start = clean_end
+            result: list[Event] = []
+            if attacks:
+                attack_start = swarm.launch_attacker(attacks, READY_S)
+            time.sleep(setting.window_s)
+            attack_end = time.time()
+            if swarm.attacker is not None:
+                result = [e for e in swarm.attacker.events if "attack" in e or "result" in e]
+            figures = {
+                "clean_rounds_per_min": rounds_per_min(swarm.learners, clean_start, clean_end),
+                "attack_rounds_per_min": rounds_per_min(swarm.learners, attack_start, attack_end),
+                "clean_lost": lost_deltas(swarm.learners, clean_start, clean_end),
+                "attack_lost": lost_deltas(swarm.learners, attack_start, attack_end),
+                "forks": forks(swarm.learners),
+                "eval": eval_by_round(swarm.learners),
+                "crashed": [c.name for c in swarm.learners if not c.alive()],
+                "attacker": result[-8:],
+            }
+            log(
+                f"  {attacks or 'clean':22s} rounds/min clean {figures['clean_rounds_per_min']:.1f} "
+                f"attacked {figures['attack_rounds_per_min']:.1f}, lost {figures['clean_lost']}->"
+                f"{figures['attack_lost']}, forks {figures['forks']}"
+            )
+            return figures
+        finally:
+            swarm.stop()
+            reap_all()
+
+
+def attack_figures(attacked: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    """The benchmark's per-attack figures from an attacked swarm and a clean reference swarm."""
+    ratio = attacked["attack_rounds_per_min"] / max(attacked["clean_rounds_per_min"], 1e-9)
+    common = loss_at_common_round(attacked["eval"], reference["eval"])
+    return {
+        "rounds_ratio": ratio,
+        "loss_shift": (common[1] - common[2]) / common[2] if common else None,
+        "loss_round": common[0] if common else None,
+        "honest_lost": max(attacked["attack_lost"] - attacked["clean_lost"], 0),
+        "honest_lost_raw": attacked["attack_lost"],
+        "forks": attacked["forks"],
+        "crashed": attacked["crashed"],
+        "rounds_per_min": {"clean": attacked["clean_rounds_per_min"], "attacked": attacked["attack_rounds_per_min"]},
+        "attacker": attacked["attacker"],
+    }
