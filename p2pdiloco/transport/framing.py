@@ -11,18 +11,26 @@ response over its limit the same way. docs/transport.md explains each rule.
 hivemind's p2pd streams are asyncio, py-libp2p's are trio: each transport wraps its stream
 in a `ByteStream` (reads and writes bounded by the transport's idle timeout, `within` for
 an overall deadline), and the protocol below runs unchanged on either.
+
+The receiver holds a stranger to a `Pace`: the request header within `grace_s`, then the
+body on schedule (on average at least `min_bytes_per_s` since the grace ended), and the
+response written within the same budget. An idle timeout alone let a caller hold a
+handler slot for ever by trickling one byte every 50 s (issue 28, item 2).
 """
 
 from __future__ import annotations
 
 import logging
 import struct
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, suppress
+from dataclasses import dataclass
 from typing import Protocol
 
 from p2pdiloco.transport.base import (
     CHUNK_BYTES,
+    MIN_LINK_BYTES_PER_S,
     RemoteError,
     RequestTooLarge,
     ResponseTooLarge,
@@ -39,6 +47,30 @@ RESPONSE_MAGIC = b"PDS1"
 STATUS_OK, STATUS_ERROR, STATUS_TOO_LARGE = 0, 1, 2
 MAX_ERROR_BYTES = 4096
 CONTINUE = b"\x01"
+
+
+@dataclass(frozen=True)
+class Pace:
+    """How fast a stranger must move a frame it sends us, or read one we send it.
+
+    `grace_s` to start (the request header, a first byte of the response read), then on
+    average `min_bytes_per_s` at least: a frame of n bytes is done within
+    `deadline_s(n)`, and a stream that falls behind that schedule is dropped at once,
+    not at the end (so a trickler holds a slot about `grace_s`, whatever it declared).
+    The default rate is a quarter of the slowest link a peer is expected to have (the
+    caller's own deadline assumes the full rate), so an honest upload shared by a few
+    streams keeps its pace.
+    """
+
+    grace_s: float = 10.0
+    min_bytes_per_s: float = MIN_LINK_BYTES_PER_S / 4
+
+    def deadline_s(self, nbytes: int) -> float:
+        """Seconds a frame of `nbytes` may take, start to end."""
+        return self.grace_s + nbytes / self.min_bytes_per_s
+
+
+DEFAULT_PACE = Pace()
 
 
 class StreamEnded(ConnectionError):
@@ -74,15 +106,37 @@ async def read_exactly(stream: ByteStream, length: int, idle_bound: bool = True)
     return b"".join(parts)  # one copy; growing a bytearray and bytes()-ing it costs two
 
 
+async def read_paced(stream: ByteStream, length: int, pace: Pace, started_s: float) -> bytes:
+    """Exactly `length` bytes, on `pace`'s schedule counted from `started_s` (time.monotonic):
+    TimeoutError as soon as the bytes received so far fall behind it; StreamEnded if the
+    stream ends first."""
+    parts, received = [], 0
+    while received < length:
+        # behind schedule once now > start + grace + received / rate
+        left_s = started_s + pace.grace_s + received / pace.min_bytes_per_s - time.monotonic()
+        if left_s <= 0:
+            raise TimeoutError(f"{received} of {length} bytes: slower than {pace.min_bytes_per_s:g} B/s")
+        async with stream.within(left_s):
+            chunk = await stream.read(min(CHUNK_BYTES, length - received))
+        if not chunk:
+            raise StreamEnded(f"stream ended {length - received} bytes before the end of a {length}-byte frame")
+        parts.append(chunk)
+        received += len(chunk)
+    return b"".join(parts)
+
+
 async def write_body(stream: ByteStream, body: bytes) -> None:
     view = memoryview(body)
     for offset in range(0, len(view), CHUNK_BYTES):
         await stream.write(view[offset : offset + CHUNK_BYTES])
 
 
-async def send_response(stream: ByteStream, status: int, body: bytes) -> None:
-    await stream.write(RESPONSE_HEADER.pack(RESPONSE_MAGIC, status, len(body)))
-    await write_body(stream, body)
+async def send_response(stream: ByteStream, status: int, body: bytes, pace: Pace = DEFAULT_PACE) -> None:
+    """The response frame, written within `pace.deadline_s` of its size (a caller that
+    reads slowly does not hold the handler's slot either)."""
+    async with stream.within(pace.deadline_s(RESPONSE_HEADER.size + len(body))):
+        await stream.write(RESPONSE_HEADER.pack(RESPONSE_MAGIC, status, len(body)))
+        await write_body(stream, body)
 
 
 async def _discard(stream: ByteStream, length: int, seconds: float) -> None:
@@ -100,10 +154,17 @@ async def serve_call(
     max_request: int,
     limit: ConcurrencyLimit,
     handler: Callable[[str, bytes], Awaitable[bytes]],
+    pace: Pace = DEFAULT_PACE,
 ) -> None:
-    """Answer one call on `stream` with `handler`; every fault is logged, none raised."""
+    """Answer one call on `stream` with `handler`; every fault is logged, none raised.
+
+    The caller is held to `pace` from the first byte: a slot of `limit` is never held
+    longer than `pace.deadline_s` of the declared size for the request, and of the
+    response's size for the answer, plus the handler's own time."""
+    started_s = time.monotonic()
     try:
-        magic, length = REQUEST_HEADER.unpack(await read_exactly(stream, REQUEST_HEADER.size))
+        header = await read_paced(stream, REQUEST_HEADER.size, pace, started_s)
+        magic, length = REQUEST_HEADER.unpack(header)
         if magic != REQUEST_MAGIC:
             logger.warning("rpc_bad_frame name=%s caller=%s", name, caller)
             return
@@ -113,7 +174,7 @@ async def serve_call(
                 name, caller, length, max_request,
             )  # fmt: skip
             message = f"request of {length} bytes exceeds limit of {max_request} bytes"
-            await send_response(stream, STATUS_TOO_LARGE, message.encode())
+            await send_response(stream, STATUS_TOO_LARGE, message.encode(), pace)
             if length <= CHUNK_BYTES:  # sent unasked: drain it so the refusal lands
                 await _discard(stream, length, 5)
             return
@@ -123,20 +184,21 @@ async def serve_call(
             logger.warning(
                 "rpc_rejected reason=too_many_concurrent name=%s caller=%s detail=%r", name, caller, refusal
             )
-            await send_response(stream, STATUS_ERROR, f"too many concurrent requests ({refusal})".encode())
+            await send_response(stream, STATUS_ERROR, f"too many concurrent requests ({refusal})".encode(), pace)
             if length <= CHUNK_BYTES:
                 await _discard(stream, length, 1)
             return
         try:
             if length > CHUNK_BYTES:
                 await stream.write(CONTINUE)
-            request = await read_exactly(stream, length)
+            # the body's schedule starts now: the header's grace was the caller's to use
+            request = await read_paced(stream, length, pace, time.monotonic())
             try:
                 response, status = await handler(caller, request), STATUS_OK
             except Exception as exc:  # noqa: BLE001 - the handler's fault goes back to the caller
                 logger.warning("handler_failed name=%s caller=%s error=%r", name, caller, exc)
                 response, status = f"{type(exc).__name__}: {exc}".encode()[:MAX_ERROR_BYTES], STATUS_ERROR
-            await send_response(stream, status, response)
+            await send_response(stream, status, response, pace)
         finally:
             limit.release(caller)
     except (TimeoutError, ConnectionError) as exc:

@@ -60,6 +60,10 @@ from p2pdiloco.transport.ratelimit import ConcurrencyLimit
 from p2pdiloco.transport.trio_bridge import TrioBridge
 
 logger = logging.getLogger(__name__)
+BRIDGE_MARGIN_S = 5.0
+"""A get or store answers by its own deadline (`dht_timeout_s`, on the trio thread, with
+what arrived); the asyncio side waits this much longer, only as a safety net: when both
+deadlines were equal, one silent replica made every get return nothing."""
 for _name, _level in (("libp2p", logging.ERROR), ("libp2p.host.basic_host", logging.CRITICAL)):
     logging.getLogger(_name).setLevel(_level)  # py-libp2p logs every refused stream as an error
 
@@ -222,7 +226,7 @@ class Libp2pTransport(NetworkedTransport):
         try:
             return await asyncio.wait_for(
                 self._bridge.run(self._records.store, key, subkey, bytes(value), float(expiration_time)),
-                self.dht_timeout_s,
+                self.dht_timeout_s + BRIDGE_MARGIN_S,
             )
         except (TimeoutError, TransportError) as exc:
             logger.warning("dht_store_failed key=%s subkey=%s error=%r", key, subkey, exc)
@@ -231,11 +235,14 @@ class Libp2pTransport(NetworkedTransport):
     async def get(self, key: str, latest: bool = True) -> dict[str, tuple[bytes, float]]:
         self._check_open()
         try:
-            found = await asyncio.wait_for(self._bridge.run(self._records.get, key), self.dht_timeout_s)
+            found = await asyncio.wait_for(
+                self._bridge.run(self._records.get, key), self.dht_timeout_s + BRIDGE_MARGIN_S
+            )
         except (TimeoutError, TransportError) as exc:
             logger.warning("dht_get_failed key=%s error=%r", key, exc)
             return {}
-        return self._records.live(key, found)
+        now = self.now()  # checked with the rules as they arrived; drop what expired since
+        return {subkey: record for subkey, record in found.items() if record[1] > now}
 
     def now(self) -> float:
         return time.time()

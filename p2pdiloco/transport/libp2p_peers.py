@@ -7,12 +7,20 @@ once it answered under its own, authenticated id (or called us, announcing its
 addresses); one that another peer merely named is a candidate, probed before it counts.
 Everything is bounded: known peers, candidates, peers shared in one exchange, probes at
 once; a known peer that keeps failing is forgotten.
+
+A forgotten peer (or a candidate whose probe failed) is quarantined: for a while (doubling
+with each failure, capped) nobody can make us learn it again, neither by naming it nor by
+calling us; after that, a peer that failed before counts again only once it answered a
+probe (issue 28, item 9: an unreachable peer re-learned without a probe cost every get a
+dead replica, for ever).
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -41,6 +49,10 @@ MAX_PROBES = 8
 """Candidates probed at once after an exchange."""
 MAX_FAILURES = 3
 """Consecutive failed exchanges before a peer is forgotten."""
+QUARANTINE_S, QUARANTINE_CAP_S = 30.0, 900.0
+"""How long a forgotten peer is not learned again: doubling with each failure, capped, s."""
+MAX_STRIKES_KEPT = 4096
+"""Failed peers remembered (the least recently failed is forgotten first)."""
 BOOTSTRAP_RETRY_S, BOOTSTRAP_RETRY_CAP_S = 0.25, 4.0
 """Waits between bootstrap attempts (`backoff_delays`: doubling, jittered), s."""
 MAX_EXCHANGE_RESPONSE = 16 << 20
@@ -77,10 +89,13 @@ class SwarmPeers:
     addresses it announces, empty in client mode) once it listens.
     """
 
-    def __init__(self, initial_peers: list[str], call: CallPeer, timeout_s: float) -> None:
+    def __init__(
+        self, initial_peers: list[str], call: CallPeer, timeout_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.initial_peers = initial_peers
         self.call = call
         self.timeout_s = timeout_s
+        self.clock = clock
         self.me = ""
         self.maddrs: list[str] = []
         self.known: dict[str, Known] = {}
@@ -89,6 +104,10 @@ class SwarmPeers:
         """Peers another peer told us of: known only once they answer a probe themselves."""
         self.bootstrap_error = ""
         """Why the last bootstrap attempt failed ("" before one failed)."""
+        self.strikes: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        """Peers that failed: (failures so far, clock time their quarantine ends)."""
+        self.recheck: list[str] = []
+        """Callers that failed before: probed at the next refresh before they count."""
 
     def addresses_of(self, peer_id: str) -> list[str] | None:
         """The addresses we know `peer_id` at (known or candidate), None if neither."""
@@ -106,11 +125,35 @@ class SwarmPeers:
 
     def _learn(self, peer_id: str, maddrs: object) -> None:
         """Remember a server peer that called us under its own id, at the addresses it
-        announced (well-formed ones that name it, bounded)."""
+        announced (well-formed ones that name it, bounded). One that failed before is
+        ignored while quarantined, then only a candidate until a probe answers."""
         good = self._addresses(peer_id, maddrs)
-        if good and (peer_id in self.known or len(self.known) < MAX_KNOWN):
+        if not good or self.quarantined(peer_id):
+            return
+        if peer_id in self.strikes and peer_id not in self.known:
+            if peer_id not in self.candidates and len(self.candidates) < MAX_CANDIDATES > len(self.recheck):
+                self.candidates[peer_id] = good
+                self.recheck.append(peer_id)
+            return
+        if peer_id in self.known or len(self.known) < MAX_KNOWN:
             self.known[peer_id] = Known(good)
             self.candidates.pop(peer_id, None)
+
+    def quarantined(self, peer_id: str) -> bool:
+        """Whether `peer_id` failed recently enough not to be learned again yet."""
+        strike = self.strikes.get(peer_id)
+        return strike is not None and self.clock() < strike[1]
+
+    def forget(self, peer_id: str) -> None:
+        """Drop a peer that failed (known or candidate) and quarantine it."""
+        self.known.pop(peer_id, None)
+        self.candidates.pop(peer_id, None)
+        failures = self.strikes.pop(peer_id, (0, 0.0))[0] + 1
+        hold_s = min(QUARANTINE_S * 2 ** min(failures - 1, 16), QUARANTINE_CAP_S)
+        self.strikes[peer_id] = (failures, self.clock() + hold_s)
+        while len(self.strikes) > MAX_STRIKES_KEPT:
+            self.strikes.popitem(last=False)
+        logger.info("peer_forgotten peer_id=%s failures=%d quarantine_s=%g", peer_id, failures, hold_s)
 
     def _addresses(self, peer_id: object, maddrs: object) -> list[str]:
         """The well-formed `/p2p/<peer_id>` multiaddrs of `maddrs`, without that suffix."""
@@ -167,6 +210,8 @@ class SwarmPeers:
             other, maddrs = item
             if other in self.known or other in self.candidates or len(self.candidates) >= MAX_CANDIDATES:
                 continue
+            if not isinstance(other, str) or self.quarantined(other):
+                continue
             good = self._addresses(other, [f"{a}/p2p/{other}" for a in maddrs if isinstance(a, str)])
             if good:
                 self.candidates[other] = good
@@ -179,7 +224,8 @@ class SwarmPeers:
         try:
             fresh = await self._exchange(peer)
         except EXCHANGE_FAULTS:
-            self.candidates.pop(peer, None)
+            if peer in self.candidates:
+                self.forget(peer)
             return False
         await self._probe_all(fresh)
         return True
@@ -194,7 +240,7 @@ class SwarmPeers:
         try:
             await self._exchange(candidate)
         except EXCHANGE_FAULTS:
-            self.candidates.pop(candidate, None)
+            self.forget(candidate)
 
     async def ask_around(self, within_s: float) -> None:
         """One exchange with up to 3 known peers at once, bounded by `within_s` seconds."""
@@ -204,17 +250,24 @@ class SwarmPeers:
                     nursery.start_soon(self.try_exchange, peer)
 
     async def refresh_loop(self) -> None:
-        """Every REFRESH_S, swap known peers with a few; forget those that keep failing."""
+        """Every REFRESH_S, `refresh_once`."""
         while True:
             await trio.sleep(REFRESH_S)  # a period, not synchronisation
-            if not self.known:
-                for address, peer in filter(None, map(split_maddr, self.initial_peers)):
-                    if peer != self.me:
-                        self.known[peer] = Known([address])
-            for peer in random.sample(list(self.known), min(3, len(self.known))):
-                answered = await self.try_exchange(peer)
-                entry = self.known.get(peer)
-                if entry is not None:
-                    entry.failures = 0 if answered else entry.failures + 1
-                    if entry.failures >= MAX_FAILURES:
-                        del self.known[peer]
+            await self.refresh_once()
+
+    async def refresh_once(self) -> None:
+        """Swap known peers with a few; forget (and quarantine) those that keep failing;
+        probe the callers that failed before and called again."""
+        if not self.known:
+            for address, peer in filter(None, map(split_maddr, self.initial_peers)):
+                if peer != self.me:
+                    self.known[peer] = Known([address])  # the operator's seeds: always retried
+        recheck, self.recheck = self.recheck[:MAX_PROBES], self.recheck[MAX_PROBES:]
+        await self._probe_all([p for p in recheck if p in self.candidates])
+        for peer in random.sample(list(self.known), min(3, len(self.known))):
+            answered = await self.try_exchange(peer)
+            entry = self.known.get(peer)
+            if entry is not None:
+                entry.failures = 0 if answered else entry.failures + 1
+                if entry.failures >= MAX_FAILURES:
+                    self.forget(peer)
