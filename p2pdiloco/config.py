@@ -242,10 +242,10 @@ class SyncConfig:
     overwrite did not reach it (docs/benchmarks.md, WAN)."""
     mix_alpha: float = 0.5
     """Weight of the global fragment in `mix` mode."""
-    commit_holders: int = 1
+    commit_holders: int = 2
     """R: peers besides the synchronizer that must hold a round's update before the round
     is committed (fewer when fewer other learners are live), so it survives the
-    synchronizer's death."""
+    synchronizer's death, and one holder that withholds cannot make it unfetchable."""
     audit_share: float = 0.03
     """Expected audits of each round across the swarm: each peer that applies a round
     recomputes it from its signed contributions with probability audit_share /
@@ -461,8 +461,12 @@ class PeerConfig:
     """Address the metrics endpoint listens on (0.0.0.0: every interface)."""
 
     # --- checkpoints --------------------------------------------------------------------
-    checkpoint_dir: str = ""
-    """Where local state is saved (periodically and on leaving) and restored on start ("": none)."""
+    checkpoint_dir: str = "auto"
+    """Where the global state (with the round records that justify it) and this learner's
+    local state are saved, periodically and on leaving, and restored on start: "auto" is
+    `<data>/<run>/<peer id or default>/checkpoints` in the user's data directory
+    ($P2PDILOCO_DATA_HOME, else $XDG_DATA_HOME/p2pdiloco, else ~/.local/share/p2pdiloco;
+    p2pdiloco.peer.checkpoint_dir); "none" or "": no checkpoints; else that folder."""
     checkpoint_every_s: float = 60.0
     """Seconds between periodic checkpoints while training (with `checkpoint_dir`)."""
 

@@ -170,7 +170,7 @@ def run(config, corpus: Corpus, eval_set, attack: Attack | None, rules) -> RunFi
                 state.rounds[0] = round_id + 1
             else:
                 applied += 1
-                records.append([(v.merged_norm, v.tokens) for v in kept])
+                records.append([(v.history_norm, v.tokens) for v in kept])
         else:
             state.rounds[0] = round_id + 1
         last = {"candidates": candidates, "history": history, "snapshot": snapshot, "result": result}

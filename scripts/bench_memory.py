@@ -230,7 +230,7 @@ def run_swarm(
     def peer(name: str, *extra: str) -> Child:
         own = workdir / name
         own.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "p2pdiloco", "join", "--events", "--threads", "1",
+        argv = [sys.executable, "-m", "p2pdiloco", "join", "--no-checkpoint", "--events", "--threads", "1",
                 "--eval-batches", "0", "--heartbeat-s", "2",
                 "--identity", str(own / "id.key"), "--initial-peers", *maddrs, *extra,
                 *set_args(sets)]  # fmt: skip

@@ -282,7 +282,7 @@ def run_diloco(
             own = workdir / f"learner{i}"
             own.mkdir(parents=True, exist_ok=True)
             argv = ["ip", "netns", "exec", learner_ns(i), sys.executable, "-m", "p2pdiloco", "join",
-                    "--events", "--threads", "1", "--host", learner_ip(i), "--heartbeat-s", "2",
+                    "--no-checkpoint", "--events", "--threads", "1", "--host", learner_ip(i), "--heartbeat-s", "2",
                     "--eval-batches", str(EVAL_BATCHES if i == 0 else 0), "--max-steps", str(steps),
                     "--wait-peers", str(LEARNERS), "--data-rank", str(i), "--data-shards", str(LEARNERS),
                     "--identity", str(own / "id.key"), "--initial-peers", *maddrs,

@@ -114,7 +114,7 @@ def run_lone(preset: str, device_name: str, steps: int) -> dict:
 
 def run_swarm(preset: str, device_name: str, steps: int) -> dict:
     """A one-peer swarm as a child process: tokens/s between log points after warm-up."""
-    argv = [sys.executable, "-m", "p2pdiloco", "join", "--new-run", "--events"]
+    argv = [sys.executable, "-m", "p2pdiloco", "join", "--new-run", "--no-checkpoint", "--events"]
     argv += ["--eval-batches", "0", "--max-steps", str(steps + 2 * WARMUP_STEPS)]
     if device_name == "cpu":
         argv += ["--threads", "1"]  # as the lone run: one core each, comparable

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import proptest  # noqa: F401  (loads the hypothesis profile before any test module)
 import pytest
@@ -16,6 +19,11 @@ from p2pdiloco.training.data import Corpus
 # other on a loaded machine (a tiny simulation took 10x longer beside a CPU hog).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
+
+# Checkpoints are on by default, in the user's data directory: a test's peers (and the
+# processes they start) write to a temporary one instead, never to the real home.
+os.environ["P2PDILOCO_DATA_HOME"] = tempfile.mkdtemp(prefix="p2pdiloco-data-")
+atexit.register(shutil.rmtree, os.environ["P2PDILOCO_DATA_HOME"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

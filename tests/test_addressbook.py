@@ -17,6 +17,7 @@ from p2pdiloco.peer.addressbook import (
     MAX_ADDRESSES,
     MAX_AGE_S,
     MAX_PEERS,
+    MAX_UNPROVEN,
     initial_peers_with_fallback,
     is_plausible_multiaddr,
     load_addresses,
@@ -280,10 +281,22 @@ def test_old_peers_dropped_and_at_most_max_peers(tmp_path: Path) -> None:
     assert addr(A) not in loaded and loaded[-1] == addr(B) and len(loaded) == 4
 
     many = {peer_id(1000 + i): [addr(peer_id(1000 + i))] for i in range(MAX_PEERS + 10)}
-    remember_addresses(tmp_path, many, NOW + 1)
+    remember_addresses(tmp_path, many, NOW + 1, proven=set(many))
     data = json.loads((tmp_path / FILE_NAME).read_text())
     assert len(data["peers"]) == MAX_PEERS
     assert all(p["last_seen"] == NOW + 1 for p in data["peers"])
+
+
+def test_a_flood_of_sybil_heartbeats_never_pushes_out_the_peers_the_chain_proved(tmp_path: Path) -> None:
+    """Issue 28, item 12: free identities with heartbeats filled the book, so a restarted
+    peer dialed only the attacker. Proven peers stay, first; the others are capped."""
+    honest = {peer_id(10 + i): [addr(peer_id(10 + i))] for i in range(3)}
+    remember_addresses(tmp_path, honest, NOW, proven=set(honest))
+    sybils = {peer_id(5000 + i): [addr(peer_id(5000 + i))] for i in range(300)}
+    remember_addresses(tmp_path, sybils, NOW + 10)  # seen later, never in a record
+    loaded = load_addresses(tmp_path)
+    assert loaded[:3] == [addr(p) for p in sorted(honest, key=list(honest).index)]
+    assert len(loaded) <= 3 + MAX_UNPROVEN
 
 
 def test_future_times_clamped(tmp_path: Path) -> None:

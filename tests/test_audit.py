@@ -209,3 +209,154 @@ def test_an_update_out_of_line_is_audited_by_everyone_even_with_no_sampling() ->
             assert node.state.round_of(0) == 4 and node.state.fragment_hash(0) == honest_hash
 
     scenario(3, body)
+
+
+# --- what cannot be verified is not applied (issue 28, item 7) ---------------------------
+
+
+def refusing_audits(node: Node) -> None:
+    """`node` keeps no contributions to serve: every `get_contributions` is refused."""
+    node.sync.committer.kept.get = lambda *args: None
+
+
+def test_an_out_of_line_update_whose_synchronizer_refuses_audits_is_not_applied() -> None:
+    async def body(cluster: Cluster) -> None:
+        for node in cluster.nodes.values():
+            auditing(node, 0.0)
+        for round_id in range(4):
+            await honest_round(cluster, round_id)
+        liar, (first, second) = roles(cluster, 4)
+        lying(liar, factor=10.0)
+        refusing_audits(liar)
+        honest_hash = first.state.fragment_hash(0)
+        await asyncio.gather(
+            first.link.contribute(0, 4, first.frame(1.0, round_id=4)),
+            second.link.contribute(0, 4, second.frame(2.0, round_id=4)),
+        )
+        for node in (first, second):
+            await node.replicas.sync_fragment(0)  # another pass: still held
+            # before: the audit was "unverifiable" and the update applied anyway
+            assert node.state.round_of(0) == 4 and node.state.fragment_hash(0) == honest_hash
+            assert [e for e in node.events if e["event"] == "unverified"]
+            record = node.replicas.committed(0, 4)
+            assert record.digest in node.replicas.audits.unverified_since
+        assert liar.state.round_of(0) == 5  # the liar installed its own
+
+    scenario(3, body)
+
+
+def test_an_in_line_update_whose_synchronizer_refuses_a_sampled_audit_is_applied() -> None:
+    async def body(cluster: Cluster) -> None:
+        synchronizer, learners = roles(cluster, 0)
+        refusing_audits(synchronizer)
+        for node in learners:
+            auditing(node, ALWAYS)
+        await honest_round_zero(cluster)  # asserts every peer reached round 1
+        assert not [e for n in learners for e in n.events if e["event"] == "unverified"]
+
+    scenario(3, body)
+
+
+def test_a_record_claiming_no_history_where_the_chain_holds_it_is_unverifiable() -> None:
+    async def body(cluster: Cluster) -> None:
+        for node in cluster.nodes.values():
+            auditing(node, 0.0)
+        for round_id in range(4):
+            await honest_round(cluster, round_id)
+        synchronizer, (first, _) = roles(cluster, 3)
+        record = first.replicas.committed(0, 3)
+        assert record.history_from >= 0
+        contributions = synchronizer.sync.kept.get(3, 0)
+        auditor = first.replicas.audits.auditor
+        chain = dict(first.replicas.chains[0])
+        snapshot = first.state.export_fragment(0)  # not round 3's parent: checked after
+        result = auditor.check(dataclasses.replace(record, history_from=-1), contributions, snapshot, chain)
+        # before: "-1" was taken on trust and the merge recomputed with no history
+        assert result.verdict == "unverifiable" and "claims no history" in result.reason
+
+    scenario(3, body)
+
+
+def test_the_sampling_rate_does_not_divide_by_what_the_synchronizer_lists() -> None:
+    from p2pdiloco.roles.audits import sampling_divisor
+
+    assert sampling_divisor(1000, 4) == 4  # a record listing 1000 contributions: 4 live learners
+    assert sampling_divisor(2, 10) == 2
+    assert sampling_divisor(0, 0) == 1
+
+
+# --- a flood of fraud notices (issue 28, item 11) ---------------------------------------
+
+
+async def flood_notices(cluster: Cluster, record, count: int) -> list[str]:
+    """`count` fresh, valid identities each publish a signed notice against `record`."""
+    from p2pdiloco.identity import Identity
+
+    notifiers = []
+    for _ in range(count):
+        identity = Identity.generate()
+        notice = FraudNotice(record.fragment, record.round, record.synchronizer, record.digest, identity.peer_id)
+        cluster.network._store(
+            notices_key(RUN), notice_subkey(record.fragment, record.round, identity.peer_id),
+            seal_notice(identity, RUN, notice), cluster[0].transport.now() + NOTICE_TTL_S,
+        )
+        notifiers.append(identity.peer_id)
+    return notifiers
+
+
+def test_a_flood_of_notices_from_valid_identities_costs_a_bounded_number_of_verifications() -> None:
+    async def body(cluster: Cluster) -> None:
+        synchronizer, (reader, _) = roles(cluster, 0)
+        auditing(reader, 0.0)
+        await honest_round_zero(cluster)
+        record = reader.replicas.committed(0, 0)
+        notifiers = await flood_notices(cluster, record, 100)
+        audits = reader.replicas.audits
+        fetches = []
+        original = reader.replicas.downloads.fetch
+
+        async def counted(donor, fragment, round_id):
+            fetches.append(donor)
+            return await original(donor, fragment, round_id)
+
+        reader.replicas.downloads.fetch = counted
+        clock = [0.0]
+        audits.clock = lambda: clock[0]
+        # strangers (no heartbeat): not one verification, however often it is read
+        for _ in range(10):
+            await reader.replicas.check_notices()
+            clock[0] += 60.0
+        assert audits.notice_verifications == 0 and not fetches
+        # the same identities with live heartbeats (Sybils): a bounded few, ever
+        audits.live_learners = lambda: notifiers + list(cluster.nodes)
+        audits._notices_seen.clear()
+        for _ in range(50):
+            await reader.replicas.check_notices()
+            clock[0] += 60.0
+        # before: every notice verified on every peer, each a fragment download
+        assert 1 <= audits.notice_verifications <= 2, audits.notice_verifications
+        assert len(fetches) <= 2
+        assert synchronizer.peer_id not in reader.replicas.entitlement.banned
+
+    scenario(3, body)
+
+
+def test_notices_are_not_read_on_every_sync_pass() -> None:
+    async def body(cluster: Cluster) -> None:
+        _, (reader, _) = roles(cluster, 0)
+        auditing(reader, 0.0)
+        await honest_round_zero(cluster)
+        reads = []
+        original = reader.transport.get
+
+        async def counted(key, latest=True):
+            if key == notices_key(RUN):
+                reads.append(key)
+            return await original(key, latest)
+
+        reader.transport.get = counted
+        for _ in range(20):  # twenty sync passes in a row
+            await reader.replicas.check_notices()
+        assert len(reads) == 1
+
+    scenario(3, body)

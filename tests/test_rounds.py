@@ -9,6 +9,7 @@ expired early rounds shape the chain.
 from __future__ import annotations
 
 import math
+from dataclasses import replace as dataclasses_replace
 
 import msgpack
 import pytest
@@ -29,6 +30,7 @@ from p2pdiloco.protocol.rounds import (
     record_subkey,
     records_of,
     seal_record,
+    superseded_digests,
 )
 
 RUN = "rounds-test"
@@ -390,19 +392,23 @@ def test_the_better_ranked_child_of_the_loser_does_not_outrank_the_winners_child
     assert chain == {0: r0, 1: winner_child}
 
 
-def test_a_record_whose_parent_matches_nothing_ends_the_chain() -> None:
+def test_a_record_whose_parent_matches_nothing_ends_the_chain_unless_its_own_reaches_further() -> None:
     r0 = record(0, "a", parent=GENESIS, hash="h0")
-    orphan = record(1, "b", parent="not-h0", hash="h1")
-    after_orphan = record(2, "c", parent="h1", hash="h2")
-    assert canonical_chain(RUN, [r0, orphan, after_orphan], GENESIS) == {0: r0}
-    # at round 0 too: a record not built on genesis starts nothing
+    r1 = record(1, "b", parent="h0", hash="h1")
+    orphan = record(1, "c", parent="not-h0", hash="h1-orphan")
+    assert canonical_chain(RUN, [r0, r1, orphan], GENESIS) == {0: r0, 1: r1}
+    # the orphan starts a chain of its own, but one that ends no higher: the lowest start wins
+    assert canonical_chain(RUN, [r0, orphan], GENESIS) == {0: r0}
+    # at round 0 a record not built on genesis starts nothing
     assert canonical_chain(RUN, [record(0, "a", parent="elsewhere", hash="h0")], GENESIS) == {}
 
 
-def test_a_gap_in_the_rounds_ends_the_chain() -> None:
+def test_after_a_gap_the_chain_goes_on_where_it_reaches_furthest() -> None:
     r0 = record(0, "a", parent=GENESIS, hash="h0")
-    r2 = record(2, "c", parent="h0", hash="h2")
-    assert canonical_chain(RUN, [r0, r2], GENESIS) == {0: r0}
+    r2 = record(2, "c", parent="h1", hash="h2")
+    r3 = record(3, "d", parent="h2", hash="h3")
+    assert canonical_chain(RUN, [r0, r2, r3], GENESIS) == {2: r2, 3: r3}
+    assert canonical_chain(RUN, [r0, r2], GENESIS) == {0: r0}  # a tie: the lowest start
 
 
 def test_a_void_record_is_skipped_and_its_rival_wins() -> None:
@@ -421,7 +427,9 @@ def test_a_void_record_with_no_rival_ends_the_chain_before_its_round() -> None:
     r0 = record(0, "a", parent=GENESIS, hash="h0")
     r1 = record(1, "b", parent="h0", hash="h1", digest="d1")
     r2 = record(2, "c", parent="h1", hash="h2")
-    assert canonical_chain(RUN, [r0, r1, r2], GENESIS, frozenset({"d1"})) == {0: r0}
+    r3 = record(3, "d", parent="h2", hash="h3")
+    # what was built on a void update is no fresh start, however far it reaches
+    assert canonical_chain(RUN, [r0, r1, r2, r3], GENESIS, frozenset({"d1"})) == {0: r0}
 
 
 def test_when_early_rounds_expired_the_chain_starts_at_the_lowest_round_from_its_best_record() -> None:
@@ -436,8 +444,103 @@ def test_when_early_rounds_expired_the_chain_starts_at_the_lowest_round_from_its
 
 def test_records_of_another_round_than_the_chain_needs_are_ignored() -> None:
     r0 = record(0, "a", parent=GENESIS, hash="h0")
+    r1 = record(1, "c", parent="h0", hash="h1")
     stray = record(9, "b", parent="h0", hash="h9")
-    assert canonical_chain(RUN, [r0, stray], GENESIS) == {0: r0}
+    assert canonical_chain(RUN, [r0, r1, stray], GENESIS) == {0: r0, 1: r1}
+
+
+# --- the chain start: no rewind by one stray record (issue 28, item 5) --------------------
+
+
+def honest_chain(first: int, last: int) -> list[RoundRecord]:
+    """Records first..last of one linked chain whose records below `first` expired."""
+    return [record(r, "s", parent=f"h{r - 1}", hash=f"h{r}") for r in range(first, last + 1)]
+
+
+def test_a_record_below_the_real_start_does_not_truncate_the_chain() -> None:
+    chain = honest_chain(10, 20)
+    below = record(9, "attacker", parent="garbage", hash="h9-fake")
+    assert max(canonical_chain(RUN, [*chain, below], GENESIS)) == 20
+    assert min(canonical_chain(RUN, [*chain, below], GENESIS)) == 10
+    # nor one above the head: a one-record chain never outgrows the real one
+    above = record(21, "attacker", parent="garbage", hash="h21-fake")
+    assert canonical_chain(RUN, [*chain, above], GENESIS) == {r.round: r for r in chain}
+    # nor does a record at round 0 built on genesis once the real round 0 expired
+    zero = record(0, "attacker", parent=GENESIS, hash="h0-fake")
+    assert canonical_chain(RUN, [*chain, zero], GENESIS) == {r.round: r for r in chain}
+
+
+def test_a_replica_anchored_on_what_it_applied_is_not_led_off_by_a_longer_forged_chain() -> None:
+    honest = honest_chain(13, 20)  # round 12 and below expired
+    forged = [record(r, "f", parent=f"x{r - 1}", hash=f"x{r}") for r in range(30, 46)]
+    assert min(canonical_chain(RUN, [*honest, *forged], GENESIS)) == 30  # a joiner: the longer
+    # a replica that applied round 12 counts its chain from round 0: the forger needs more
+    # records than the head round
+    assert canonical_chain(RUN, [*honest, *forged], GENESIS, anchor=(12, "h12")) == {r.round: r for r in honest}
+    # and one whose last round is still in the DHT, through it
+    assert canonical_chain(RUN, [*honest, *forged], GENESIS, anchor=(15, "h15")) == {r.round: r for r in honest}
+    assert canonical_chain(RUN, honest, GENESIS, anchor=(3, "nowhere")) == {r.round: r for r in honest}
+
+
+def test_an_anchor_on_a_losing_branch_does_not_keep_a_replica_there() -> None:
+    winner_id, loser_id = ordered(5, A, B)
+    base = honest_chain(3, 4)
+    won = record(5, winner_id, parent="h4", hash="h5")
+    lost = record(5, loser_id, parent="h4", hash="l5")
+    on_won = [record(6, C, parent="h5", hash="h6")]
+    on_lost = [record(r, C, parent=f"l{r - 1}", hash=f"l{r}") for r in range(6, 9)]
+    everyone = canonical_chain(RUN, [*base, won, lost, *on_won, *on_lost], GENESIS)
+    assert everyone[5] == won
+    assert canonical_chain(RUN, [*base, won, lost, *on_won, *on_lost], GENESIS, anchor=(5, "l5")) == everyone
+
+
+# --- supersession: a re-run instead of a local void (issue 28, item 4) --------------------
+
+
+def timed(round_id: int, synchronizer: str, closed_at: float, **fields) -> RoundRecord:
+    import dataclasses
+
+    return dataclasses.replace(record(round_id, synchronizer, **fields), closed_at=closed_at)
+
+
+def test_a_rerun_supersedes_a_record_nobody_built_on_once_old_enough_by_signed_times() -> None:
+    winner_id, loser_id = ordered(3, A, B)
+    lost = timed(3, winner_id, 1000.0, parent="h2", hash="h3-lost", digest="d-lost")
+    rerun = timed(3, loser_id, 1000.0 + 60, parent="h2", hash="h3", digest="d-rerun")
+    rerun = dataclasses_replace(rerun, supersedes="d-lost")
+    base = [timed(2, C, 990.0, parent="h1", hash="h2")]
+    # without supersession the better-ranked original wins
+    assert canonical_chain(RUN, [*base, lost, dataclasses_replace(rerun, supersedes="")], GENESIS)[3] == lost
+    assert canonical_chain(RUN, [*base, lost, rerun], GENESIS, supersede_after_s=60)[3] == rerun
+    # too early by the records' own times: not superseded
+    early = dataclasses_replace(rerun, closed_at=1000.0 + 59)
+    assert canonical_chain(RUN, [*base, lost, early], GENESIS, supersede_after_s=60)[3] == lost
+    # a record of the next round built on the original before the re-run closed: it stays
+    child = timed(4, D, 1000.0 + 30, parent="h3-lost", hash="h4")
+    assert canonical_chain(RUN, [*base, lost, rerun, child], GENESIS, supersede_after_s=60) == {
+        2: base[0], 3: lost, 4: child
+    }
+    # a child closed after the re-run does not save it: it goes with its parent
+    late_child = timed(4, D, 1000.0 + 90, parent="h3-lost", hash="h4")
+    chain = canonical_chain(RUN, [*base, lost, rerun, late_child], GENESIS, supersede_after_s=60)
+    assert chain == {2: base[0], 3: rerun}
+
+
+def test_a_rerun_naming_a_record_of_another_parent_or_round_supersedes_nothing() -> None:
+    lost = timed(3, A, 1000.0, parent="h2", hash="h3-lost", digest="d-lost")
+    other_parent = dataclasses_replace(timed(3, B, 2000.0, parent="elsewhere", hash="y"), supersedes="d-lost")
+    other_round = dataclasses_replace(timed(4, B, 2000.0, parent="h3-lost", hash="z"), supersedes="d-lost")
+    assert superseded_digests([lost, other_parent, other_round], 60) == frozenset()
+    own = dataclasses_replace(timed(3, B, 2000.0, parent="h2", hash="w", digest="d-w"), supersedes="d-w")
+    assert superseded_digests([own], 60) == frozenset()
+
+
+def test_supersedes_is_signed_and_survives_the_wire() -> None:
+    original = dataclasses_replace(record(3, A, parent="p", hash="h"), supersedes="d-old")
+    opened = open_record(RUN, sealed(original))
+    assert opened is not None and opened.supersedes == "d-old"
+    plain = record(3, A, parent="p", hash="h")
+    assert b"supersedes" not in plain.encode()  # records that supersede nothing keep their bytes
 
 
 # --- the rule does not depend on the order records are read in -------------------------
@@ -480,7 +583,11 @@ def test_the_chain_is_independent_of_input_order_and_well_linked(records: list[R
     rounds = sorted(chain)
     assert rounds == list(range(rounds[0], rounds[0] + len(rounds)))
     live = [r for r in records if r.digest not in void]
-    assert rounds[0] == (0 if any(r.round == 0 for r in live) else min(r.round for r in live))
+    # the start: never a shorter chain than the walk from genesis
+    parent, walked = GENESIS, 0
+    while rivals := [r for r in live if r.round == walked and r.parent == parent]:
+        parent, walked = min(rivals, key=lambda r: rank(RUN, r)).hash, walked + 1
+    assert len(chain) >= walked
     for round_id in rounds:
         chosen = chain[round_id]
         assert chosen.round == round_id and chosen.digest not in void

@@ -116,6 +116,7 @@ CERTIFIED = RunRecordRules(RUN, 2, Admission(synchronizers="certified", operator
 
 
 def beat(identity: Identity = PEER, **fields) -> bytes:
+    fields = {"sent_at": NOW, "live_s": 8.0, **fields}
     return seal_heartbeat(identity, RUN, Heartbeat(peer_id=identity.peer_id, **fields))
 
 
@@ -135,7 +136,8 @@ def test_the_rules_accept_what_honest_peers_write() -> None:
 FORGED = [
         ("p2pdiloco/trust-test/junk", "x", b"v", NOW + 1, "not a key of this run"),
         (members_key(RUN), None, beat(), NOW + 1, "dictionary entry"),  # a plain value
-        (members_key(RUN), PEER.peer_id, beat(), NOW + HEARTBEAT_MAX_TTL_S + 10, "too far ahead"),
+        (members_key(RUN), PEER.peer_id, beat(), NOW + HEARTBEAT_MAX_TTL_S + 10, "after its signed life"),
+        (members_key(RUN), PEER.peer_id, beat(), NOW + 3 * HEARTBEAT_MAX_TTL_S, "too far ahead"),
         (members_key(RUN), PEER.peer_id, beat(), math.inf, "finite"),
         (members_key(RUN), PEER.peer_id, beat(OTHER), NOW + 1, "bad signature"),
         (members_key(RUN), PEER.peer_id, beat(status="leaving", client_mode=True)[:-3], NOW + 1, ""),

@@ -30,6 +30,7 @@ def set_args(items: Iterable[str]) -> list[str]:
 def child_join_args(*flags: str, sets: Iterable[str] = ()) -> list[str]:
     """Arguments after the interpreter of a `join` child whose events its parent reads:
     JSON events on stdout, one torch thread, a heartbeat every second; then `sets` as
-    `--set` flags, then `flags`."""
+    `--set` flags, then `flags`. Checkpoints are off (a throwaway swarm must not fill, nor
+    resume from, the user's data directory) unless `sets` or `flags` name a folder."""
     base = ["-m", "p2pdiloco", "join", "--events", "--heartbeat-s", "1", "--threads", "1"]
-    return [*base, *set_args(sets), *flags]
+    return [*base, *set_args(["peer.checkpoint_dir='none'", *sets]), *flags]

@@ -93,6 +93,7 @@ class LocalSwarm:
         self.bootstrap_maddrs = self._wait_ready(self.bootstrap, timeout_s)["maddrs"]
         base = [
             "join",
+            "--no-checkpoint",  # a throwaway swarm: never resumes from, nor fills, the data dir
             "--events",
             "--threads",
             "1",

@@ -163,12 +163,20 @@ def _add_output_flags(join: argparse.ArgumentParser) -> None:
     add_peer_flag(
         join,
         "--checkpoint-dir",
-        "save local state here (periodically, on leaving), restore on start",
+        "save the global state and local state here (periodically, on leaving), restore on start",
+    )
+    add_peer_flag(
+        join,
+        "--no-checkpoint",
+        "save nothing (same as --checkpoint-dir none)",
+        "checkpoint_dir",
+        action="store_const",
+        const="none",
     )
     add_peer_flag(
         join,
         "--checkpoint-every-s",
-        "seconds between periodic checkpoints (with --checkpoint-dir)",
+        "seconds between periodic checkpoints",
         type=float,
     )
 

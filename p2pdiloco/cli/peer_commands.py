@@ -74,6 +74,7 @@ def cmd_join(args: argparse.Namespace) -> int:
 
     # the run, its config and its peers first: their errors come before torch's import
     config, admission, certificates = join_config(args)
+    from p2pdiloco.peer.checkpoint_dir import with_checkpoint_dir
     from p2pdiloco.peer.daemon import PeerDaemon, make_transport_for
     from p2pdiloco.peer.faults import parse_crash_at
     from p2pdiloco.training.train import resolve_device
@@ -91,6 +92,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(f"peer.crash_at (--crash-at, P2PDILOCO_CRASH_AT): {exc}") from None
     config = dataclasses.replace(config, peer=dataclasses.replace(peer, crash_at=crash_at))
+    config = with_checkpoint_dir(config)  # "auto": a folder of the user's data directory, claimed
     rules = RunRecordRules(config.peer.run, config.sync.num_fragments, admission)
     progress = _PhaseProgress()
     daemon = PeerDaemon(

@@ -16,7 +16,9 @@ The rules, in the order `screen` applies them:
 
 1. **Work claimed.** No steps or no tokens: refused. Tokens are bounded by `bound_tokens`.
 2. **Norm.** Non-finite or zero norm: refused. The clip threshold is `clip_factor` times
-   the median of the accepted norms in the history (`min_history` of them at least);
+   the median of the norms the history's records list (`min_history` of them at least;
+   a record lists its merged norms capped at its own reference, `history_norms`, so a
+   learner alone in each window cannot ratchet the clip up);
    without history, the lower median of this window, capped by `max_param_ratio` times
    the norm of the fragment's parameters (every replica knows it, even in round 0). A
    delta above the threshold is scaled down to it; above `refuse_factor` times the
@@ -160,9 +162,14 @@ class Verdict:
     momentum_cosine: float | None = None
     loo_cosine: float | None = None
 
+    history_norm: float = 0.0
+    """What the round record lists for the next rounds' history: the merged norm, at most
+    the reference this window was screened against (times `HISTORY_GROWTH` when two or
+    more deltas were kept), so the clip cannot ratchet (`history_norms`)."""
+
     @property
     def merged_norm(self) -> float:
-        """Norm of the delta as merged: what the round record should list for history."""
+        """Norm of the delta as merged (after its scale)."""
         return self.norm * self.scale
 
 
@@ -259,6 +266,30 @@ def clip_threshold(
         if bound < clip:
             clip, source = bound, "parameters"
     return clip, source
+
+
+HISTORY_GROWTH = 1.5
+"""A window of two or more kept deltas may lift the clip reference by at most this factor
+a round (through the norms its record lists); a window of one delta cannot lift it."""
+
+
+def history_norms(merged_norms: Sequence[float], clip_norm: float, clip_factor: float) -> list[float]:
+    """What a round record lists as its kept deltas' norms for the next rounds' history.
+
+    A record's norms become the reference of the next windows (`clip_threshold`). Listed
+    as merged, a delta at the clip enters at `clip_factor` times the reference, and a
+    learner alone in each window (K = 1, no grace: issue 28, 6) lifts the clip about
+    1.5x a round (3 to 5,877 in 20 rounds). So each listed norm is at most the reference
+    this window was screened against (`clip_norm / clip_factor`): a lone delta can keep
+    or lower the reference, never lift it; with two or more kept deltas at most
+    `HISTORY_GROWTH` times it, which honest norms that grow (a warm-up) follow a round at
+    a time, and which a pair of colluders lifts at most that much a round. With no bound
+    known (`inf`), the merged norms as they are.
+    """
+    if not (math.isfinite(clip_norm) and clip_norm > 0.0):
+        return [float(n) for n in merged_norms]
+    cap = (clip_norm / clip_factor) * (HISTORY_GROWTH if len(merged_norms) >= 2 else 1.0)
+    return [min(float(n), cap) for n in merged_norms]
 
 
 MAX_WORK_RATIO = 64.0
@@ -468,6 +499,8 @@ def screen(
         max_ratio=rules.token_factor,
     )
     weight_of = dict(zip(kept, weights, strict=True))
+    listed = history_norms([norms[i] * scales[i] for i in kept], clip, rules.clip_factor)
+    history_norm_of = dict(zip(kept, listed, strict=True))
     verdicts = tuple(
         Verdict(
             peer=peers[i],
@@ -477,6 +510,7 @@ def screen(
             scale=scales[i] if not reasons[i] else 0.0,
             tokens=tokens[i],
             weight=weight_of.get(i, 0.0),
+            history_norm=history_norm_of.get(i, 0.0),
             momentum_cosine=momentum_cos.get(i),
             loo_cosine=loo.get(i),
         )

@@ -5,10 +5,17 @@ no initial peer that answers. So a peer remembers whom it saw (`peers.json` in t
 checkpoint directory) and tries them after its bootstrap nodes. Pure functions: no
 network imports; the daemon decides when to remember and what to dial.
 
-File format (version 1), most recently seen peer first:
+File format (version 1), proven peers first, then most recently seen first:
 
     {"version": 1, "peers": [{"peer_id": "12D3Koo...", "last_seen": 1700000000.0,
-                              "addrs": ["/ip4/203.0.113.5/tcp/31337/p2p/12D3Koo..."]}]}
+                              "addrs": ["/ip4/203.0.113.5/tcp/31337/p2p/12D3Koo..."],
+                              "proven": true}]}
+
+A peer is *proven* when the run's canonical chain named it (it synchronized or
+contributed a round): its address was reachable. Anyone can publish a heartbeat with an
+address, so a flood of free identities could otherwise fill the book and leave a
+restarted peer nothing to dial but the attacker: proven peers are kept and dialed first,
+and at most MAX_UNPROVEN peers that only showed a heartbeat are kept.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +40,8 @@ MAX_ADDRESSES = 64
 """Most addresses `load_addresses` returns."""
 MAX_PEERS = 64
 """Most peers the file keeps."""
+MAX_UNPROVEN = 16
+"""Most peers kept that only showed a heartbeat (the rest of MAX_PEERS is for proven ones)."""
 MAX_ADDRS_PER_PEER = 8
 MAX_AGE_S = 7 * 24 * 3600.0
 """A peer not seen for a week is forgotten."""
@@ -126,8 +135,12 @@ def _read_records(directory: str | Path) -> list[dict[str, Any]]:
             records.append(record)
     if skipped:
         log.warning("address book entries skipped path=%s skipped=%d", path, skipped)
-    records.sort(key=lambda r: r["last_seen"], reverse=True)
-    return records
+    return _ordered(records)
+
+
+def _ordered(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Proven peers first, each group most recently seen first."""
+    return sorted(records, key=lambda r: (not r["proven"], -r["last_seen"]))
 
 
 def _valid_record(entry: Any) -> dict[str, Any] | None:
@@ -145,11 +158,12 @@ def _valid_record(entry: Any) -> dict[str, Any] | None:
     kept = list(dict.fromkeys(kept))[:MAX_ADDRS_PER_PEER]
     if not kept:
         return None
-    return {"peer_id": peer_id, "last_seen": float(last_seen), "addrs": kept}
+    return {"peer_id": peer_id, "last_seen": float(last_seen), "addrs": kept, "proven": entry.get("proven") is True}
 
 
 def load_addresses(directory: str | Path, now: float | None = None) -> list[str]:
-    """The remembered multiaddrs under `directory`, most recently seen peer first.
+    """The remembered multiaddrs under `directory`: proven peers first, each group most
+    recently seen first.
 
     [] when the file is missing, unreadable or malformed (logged, never raised); invalid
     entries are skipped. With `now`, peers not seen for MAX_AGE_S are left out.
@@ -177,28 +191,38 @@ def _normalized_addrs(peer_id: str, addrs: Sequence[str]) -> list[str]:
 
 
 def remember_addresses(
-    directory: str | Path, seen: Mapping[str, Sequence[str]], now: float
+    directory: str | Path,
+    seen: Mapping[str, Sequence[str]],
+    now: float,
+    proven: Collection[str] = (),
 ) -> None:
-    """Merge `seen` (peer id -> its multiaddrs, seen at `now`) into the address book.
+    """Merge `seen` (peer id -> its multiaddrs, seen at `now`) into the address book;
+    peers in `proven` (named by the canonical chain) are marked so, for good.
 
     A peer seen again gets its new addresses (its old ones may be stale ports) and
-    last-seen time; peers unseen for MAX_AGE_S are dropped, at most MAX_PEERS kept, most
-    recent first. Written atomically; a failure to write is logged, never raised (the
-    address book is a fallback, not worth stopping a peer for).
+    last-seen time; peers unseen for MAX_AGE_S are dropped, at most MAX_PEERS kept,
+    proven ones first, and of the others at most MAX_UNPROVEN, most recent first.
+    Written atomically; a failure to write is logged, never raised (the address book is
+    a fallback, not worth stopping a peer for).
     """
     merged = {record["peer_id"]: record for record in _read_records(directory)}
     for peer_id, addrs in seen.items():
         if not _is_peer_id(peer_id) or isinstance(addrs, str):
             continue
         kept = _normalized_addrs(peer_id, addrs)
+        was_proven = peer_id in merged and merged[peer_id]["proven"]
         if kept:
-            merged[peer_id] = {"peer_id": peer_id, "last_seen": float(now), "addrs": kept}
-    records = [
+            merged[peer_id] = {
+                "peer_id": peer_id, "last_seen": float(now), "addrs": kept,
+                "proven": was_proven or peer_id in proven,
+            }  # fmt: skip
+    records = _ordered([
         {**record, "last_seen": min(record["last_seen"], float(now))}  # no future times
         for record in merged.values()
         if record["last_seen"] >= now - MAX_AGE_S
-    ]
-    records.sort(key=lambda r: r["last_seen"], reverse=True)
+    ])  # fmt: skip
+    unproven = [r for r in records if not r["proven"]][:MAX_UNPROVEN]
+    records = [r for r in records if r["proven"]] + unproven
     data = {"version": VERSION, "peers": records[:MAX_PEERS]}
     path = Path(directory) / FILE_NAME
     try:

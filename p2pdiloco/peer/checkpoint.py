@@ -1,8 +1,9 @@
 """A learner's local state on disk: what a restart keeps that the swarm cannot give back.
 
-The global state (parameters, momentum, rounds) is downloaded from live peers on join;
-a checkpoint keeps the rest: the local replica, the inner optimizer (AdamW moments),
-the error-feedback residuals (what the codec has not yet sent) and the loop's counters.
+The global state (parameters, momentum, rounds) is saved beside it with the round records
+that justify it (`peer.durable`: it is what lets a run outlive all its peers); this file
+keeps the rest: the local replica, the inner optimizer (AdamW moments), the
+error-feedback residuals (what the codec has not yet sent) and the loop's counters.
 
 Written durably and atomically: a uniquely named temporary file in the same directory is
 written and fsynced, renamed onto the final name, then the directory is fsynced. A crash
@@ -120,6 +121,11 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     The directory must exist. Raises OSError on failure, leaving the old file in place.
     """
     _atomic_write(Path(path), lambda file: file.write(data))
+
+
+def atomic_save(path: str | Path, payload: Any) -> None:
+    """`torch.save(payload)` into `path` durably and atomically (see `atomic_write_bytes`)."""
+    _atomic_write(Path(path), lambda file: torch.save(payload, file))
 
 
 def save_learner(directory: str | Path, learner: Any, config_hash: str) -> Path:

@@ -22,6 +22,7 @@ from p2pdiloco.config import PeerConfig, RunConfig
 from p2pdiloco.errors import NetworkSetupError
 from p2pdiloco.events import EventSink
 from p2pdiloco.peer.addressbook import initial_peers_with_fallback, load_addresses
+from p2pdiloco.peer.checkpoint_dir import concrete_dir
 from p2pdiloco.peer.clock import check_clock_at_join
 from p2pdiloco.peer.joined import JoinedPeer, run_on
 from p2pdiloco.peer.metrics import MetricsServer, PeerMetrics, Totals
@@ -128,9 +129,10 @@ def make_transport_for(
     for maddr in options.announce_maddrs:
         check_announce_maddr(maddr)
     initial = list(options.initial_peers)
-    if options.checkpoint_dir and initial:
+    directory = concrete_dir(options)
+    if directory and initial:
         # Remembered peers are tried too, so a restart survives dead bootstrap nodes.
-        initial = initial_peers_with_fallback(initial, load_addresses(options.checkpoint_dir), "")
+        initial = initial_peers_with_fallback(initial, load_addresses(directory), "")
     try:
         return make_transport(
             kind,

@@ -25,6 +25,8 @@ from p2pdiloco.peer import census
 from p2pdiloco.peer.addressbook import remember_addresses
 from p2pdiloco.peer.build import build_training
 from p2pdiloco.peer.checkpoint import load_learner, save_learner
+from p2pdiloco.peer.checkpoint_dir import concrete_dir
+from p2pdiloco.peer.durable import GlobalCheckpoint, wait_for_chain
 from p2pdiloco.peer.faults import SplitView, crash_hook, faulty_contribute, hook_steps
 from p2pdiloco.peer.heap import heap_free_bytes
 from p2pdiloco.peer.metrics import Totals
@@ -43,6 +45,11 @@ log = logging.getLogger(__name__)
 
 SYNC_TIMEOUT_S = 300.0
 """Bound on bringing one fragment to the head of its chain (a state download included)."""
+JOIN_WAIT_ROUNDS, JOIN_WAIT_MAX_S = 2, 240.0
+"""Round deadlines (at most seconds) a joiner waits, in all, for records when live peers
+say they are past round 0 (`durable.wait_for_chain`)."""
+REPUBLISH_TIMEOUT_S = 120.0
+"""Bound on storing a restored chain's records in the DHT again."""
 
 
 def run_on(loop: asyncio.AbstractEventLoop, coro, timeout_s: float):
@@ -98,6 +105,15 @@ class JoinedPeer:
             auditor=Auditor(options.run, config, self.limits, self.state.fragments),
             audit_share=config.sync.audit_share,
         )
+        # the saved global state goes in before anyone takes a base from the replica (the
+        # learner below), after ReplicaSync took the initial hashes its chains start from
+        self.checkpoint_dir = concrete_dir(options)
+        self.global_checkpoint = (
+            GlobalCheckpoint(self.checkpoint_dir, options.run, self.config_hash, self.replicas, self.limits, emit)
+            if self.checkpoint_dir else None
+        )  # fmt: skip
+        if self.global_checkpoint is not None:
+            self.global_checkpoint.restore()
         self.synchronizer = Synchronizer(
             transport, options.run, config, self.state, role_view, self.limits, self.replicas,
             self.worker, on_event=emit, rivals_visible=split.rivals_visible,
@@ -152,10 +168,11 @@ class JoinedPeer:
         options, learner = self.options, self.learner
         self._on_loop(self._start_network(), 120)
         self.emit({"ready": True, "peer_id": self.transport.peer_id, "maddrs": self.transport.visible_maddrs()})
-        if options.checkpoint_dir:
+        if self.checkpoint_dir:
+            self._resume_global()
             # the checkpoint's local work is put back on this replica's bases; the join
             # then rebases it onto the swarm's head like any update
-            restored = load_learner(options.checkpoint_dir, learner, self.config_hash)
+            restored = load_learner(self.checkpoint_dir, learner, self.config_hash)
             self.emit({"event": "checkpoint_loaded" if restored else "checkpoint_none", "step": learner.progress.step})
         self._on_loop(self.members.wait_for_learners(options.wait_peers, options.wait_peers_timeout_s),
                       options.wait_peers_timeout_s + 60)  # fmt: skip
@@ -213,12 +230,26 @@ class JoinedPeer:
 
     async def _join(self) -> None:
         """Late joiner: bring every fragment to the head of the swarm's canonical chain."""
+        waited_until = time.monotonic() + min(JOIN_WAIT_ROUNDS * self.config.sync.round_deadline_s, JOIN_WAIT_MAX_S)
         for fragment in range(self.state.num_fragments):
             try:
+                # live peers past round 0 and no record yet (a run resuming from its
+                # checkpoints): wait a bounded while, once, rather than start the run over
+                wait_s = max(waited_until - time.monotonic(), 0.0)
+                await wait_for_chain(self.replicas, fragment, self.options.heartbeat_s, wait_s)
                 await asyncio.wait_for(self.replicas.sync_fragment(fragment), SYNC_TIMEOUT_S)
             except (TimeoutError, TransportError) as exc:
                 log.warning("initial sync failed fragment=%d error=%r", fragment, exc)
             self.on_progress("state", fragment + 1, self.state.num_fragments)
+
+    def _resume_global(self) -> None:
+        """Say what the saved global state gave; put the records it stands on back in the
+        DHT where the swarm has nothing newer (`durable.GlobalCheckpoint.resume`)."""
+        assert self.global_checkpoint is not None
+        try:
+            self._on_loop(self.global_checkpoint.resume(), REPUBLISH_TIMEOUT_S)
+        except (TimeoutError, TransportError) as exc:  # the next commits carry the run on
+            log.warning("records not republished error=%r", exc)
 
     def _finish_in_flight(self, timeout_s: float = 30.0) -> None:
         """On leaving: give in-flight contributions a bounded chance to complete."""
@@ -257,21 +288,26 @@ class JoinedPeer:
             self._checkpoint()
 
     def _checkpoint(self) -> None:
-        """Save local state and the peers seen (atomic, durable), if a directory is set."""
+        """Save local state, the global state with its records and the peers seen (atomic,
+        durable), if a directory is set. A full disk is logged, never fatal."""
         self._last_checkpoint = time.monotonic()
-        directory = self.options.checkpoint_dir
+        directory = self.checkpoint_dir
         if not directory:
             return
         self.learner.shipper.wait_encoding()  # the residuals the encoder thread is updating
         try:
             path = save_learner(directory, self.learner, self.config_hash)
-        except ConfigError as exc:
+            if self.global_checkpoint is not None:  # the chains and frames are the loop's: read there
+                self.global_checkpoint.save(self._on_loop(self.global_checkpoint.known(), 30))
+        except (ConfigError, OSError, TimeoutError) as exc:
             log.warning("checkpoint failed error=%s", exc)
             return
         me = self.transport.peer_id
         seen = {peer: list(beat.maddrs) for peer, beat in self.members.live.items() if peer != me and beat.maddrs}
-        remember_addresses(directory, seen, time.time())
-        self.emit({"event": "checkpoint_saved", "path": str(path), "step": self.learner.progress.step})
+        remember_addresses(directory, seen, time.time(), proven=self.replicas.entitlement.proven() or ())
+        saved = self.global_checkpoint.saved if self.global_checkpoint else []
+        self.emit({"event": "checkpoint_saved", "path": str(path), "step": self.learner.progress.step,
+                   "global_rounds": [round_id for round_id, _hash in saved]})  # fmt: skip
 
     # --- status ---------------------------------------------------------------------------
 

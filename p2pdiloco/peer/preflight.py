@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from p2pdiloco.errors import PreflightError
+from p2pdiloco.peer.checkpoint_dir import checkpoint_location
 
 Level = Literal["ok", "warn", "fail", "skip"]
 
@@ -56,8 +57,9 @@ ACTIVATION_BYTES_PER_TOKEN = 34
 """Activations a layer keeps for the backward pass, bytes per token and unit of width, in
 16-bit (Korthikanti et al. 2022, "Reducing activation recomputation", Eq. 2: s b h (34 +
 5 a s / h)); doubled for fp32 CPU training."""
-CHECKPOINT_BYTES_PER_PARAM = 4 + 8 + 4
-"""A `--checkpoint-dir` file: the replica, AdamW's moments and the error feedback."""
+CHECKPOINT_BYTES_PER_PARAM = 4 + 8 + 4 + 8
+"""A checkpoint: the replica, AdamW's moments and the error feedback (the learner's file),
+and the global parameters and outer momentum (the global state's files)."""
 CLOCK_FAIL_S = 3.0
 """hivemind's `MAX_DHT_TIME_DISCREPANCY_SECONDS`: its initial peers refuse a peer whose
 clock is further off; records expire by these clocks (heartbeats live 4 beats, 8 s)."""
@@ -449,7 +451,7 @@ def local_findings(config: Any) -> list[Finding]:
     total, available = ram_bytes()
     findings.append(check_memory(config.model.preset, need, total, available))
     findings.append(check_device_memory(device_type, need, device_memory_bytes(device_type)))
-    directory = config.peer.checkpoint_dir
+    directory = checkpoint_location(config.peer)
     if directory:
         findings.append(
             check_disk(directory, need, free_disk_bytes(directory), writable(directory))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,9 +18,21 @@ import msgpack
 
 from p2pdiloco.identity import Identity, SignedKind, is_peer_id
 
-PROTOCOL_VERSION = 3
-"""Bumped on any incompatible change of the swarm's messages or records (3: heartbeats,
-records and contributions are signed, see security.md; 2: the commit point)."""
+PROTOCOL_VERSION = 4
+"""Bumped on any incompatible change of the swarm's messages or records (4: heartbeats
+sign their send time and lifetime; 3: heartbeats, records and contributions are signed,
+see security.md; 2: the commit point)."""
+
+CLOCK_SLACK_S = 60.0
+"""How long the DHT keeps a heartbeat past the life its sender signed: a reader whose
+clock runs up to this much ahead still finds it (hivemind drops records it thinks
+expired), while liveness is judged by the signed send time, not by the DHT's expiry."""
+MAX_CLOCK_OFFSET_S = 45.0
+"""Most a peer corrects its clock by to agree with the swarm's (a tolerated skew)."""
+CLOCK_DEADBAND_S = 5.0
+"""Clock differences left uncorrected (a beat is read up to a period after it was sent:
+correcting for that would make every peer chase the others' lag); liveness tolerates
+them instead."""
 
 ROLES = ("learner", "observer", "bootstrap")
 
@@ -75,6 +87,17 @@ class Heartbeat:
     """Rounds it recomputed and proved false."""
     audits_unverifiable: int = 0
     """Rounds it tried to recompute without enough to conclude."""
+    sent_at: float = 0.0
+    """Swarm time (s) the peer signed this beat at: orders its beats, so an old one
+    replayed never outlives a newer one (see `heartbeat_expiry_refusal`)."""
+    live_s: float = 0.0
+    """Seconds after `sent_at` the peer counts as live without a newer beat (4 periods).
+    0: a beat that signs no time (tools, tests), judged by its DHT expiry alone; the
+    record rules refuse it on the network."""
+
+    def live_until(self, expiration: float) -> float:
+        """Swarm time until which this beat, stored until `expiration`, shows its peer live."""
+        return self.sent_at + self.live_s if self.live_s > 0 else expiration
 
     def encode(self) -> bytes:
         data = dataclasses.asdict(self)
@@ -115,6 +138,8 @@ _SCALARS: dict[str, tuple[type, ...]] = {
     "audits_ok": (int,),
     "audits_mismatch": (int,),
     "audits_unverifiable": (int,),
+    "sent_at": (int, float),
+    "live_s": (int, float),
 }
 
 
@@ -222,23 +247,69 @@ def open_heartbeat(run: str, subkey: str, sealed: object) -> Heartbeat | str:
     return beat
 
 
-def live_members(
-    run: str, records: Mapping[str, tuple[bytes, float]], now: float, config_hash: str = ""
-) -> tuple[dict[str, Heartbeat], dict[str, str]]:
-    """(live heartbeats by peer id, rejection reason by subkey) from DHT records.
+def heartbeat_expiry_refusal(beat: Heartbeat, expiration: float) -> str | None:
+    """Why a DHT `expiration` is wrong for `beat`, judged from signed data alone (the same
+    verdict on every peer, whatever its clock), or None.
 
-    Only heartbeats signed by the peer they name count. With `config_hash`, learners
-    that train with another run config are rejected: a peer that silently disagrees on
-    the model, H or the codecs would corrupt merges.
-    """
-    live: dict[str, Heartbeat] = {}
+    The DHT keeps, per peer, the record that expires last. A beat may be stored no longer
+    than its signed life plus CLOCK_SLACK_S, so a newer beat (signed later, same life)
+    always expires later: a captured beat replayed with a far expiration is refused here,
+    and one replayed with its own expiration loses to the newer one it tries to hide."""
+    if beat.live_s <= 0:
+        return "heartbeat signs no send time or life"
+    if not 0 < beat.sent_at < 1e12:
+        return "heartbeat send time is out of range"
+    if expiration > beat.sent_at + beat.live_s + CLOCK_SLACK_S:
+        return "heartbeat expires after its signed life"
+    return None
+
+
+Opened = dict[str, tuple[Heartbeat, float]]
+"""Subkey -> (its signed heartbeat, the DHT expiration it was stored with)."""
+
+
+def open_members(
+    run: str,
+    records: Mapping[str, tuple[bytes, float]],
+    now: float,
+    verdicts: dict[tuple[str, bytes], Heartbeat | str] | None = None,
+) -> tuple[Opened, dict[str, str]]:
+    """(signed heartbeats by subkey, rejection reason by subkey) of the records the DHT
+    still keeps at `now`; at most MAX_MEMBERS are opened. With `verdicts` (a cache the
+    caller keeps, by subkey and bytes), a record read before is not verified again: a
+    heartbeat changes every period, a flood of unchanged Sybil records costs nothing."""
+    opened: Opened = {}
     rejected: dict[str, str] = {}
     for subkey, (raw, expiration) in list(records.items())[:MAX_MEMBERS]:
         if expiration < now:
             continue
-        beat = open_heartbeat(run, subkey, raw)
+        cached = verdicts.get((subkey, raw)) if verdicts is not None else None
+        beat = cached if cached is not None else open_heartbeat(run, subkey, raw)
+        if verdicts is not None and cached is None:
+            verdicts[(subkey, raw)] = beat
         if isinstance(beat, str):
             rejected[str(subkey)[:64]] = beat
+        else:
+            opened[subkey] = (beat, expiration)
+    return opened, rejected
+
+
+def judge_members(
+    opened: Opened, now: float, config_hash: str = ""
+) -> tuple[dict[str, Heartbeat], dict[str, str]]:
+    """(live heartbeats by peer id, rejection reason by subkey) at swarm time `now`.
+
+    A peer is live while its beat's signed life lasts; a beat signed further ahead than
+    CLOCK_SLACK_S is ignored (that record only: the others stay). With `config_hash`,
+    learners that train with another run config are rejected: a peer that silently
+    disagrees on the model, H or the codecs would corrupt merges."""
+    live: dict[str, Heartbeat] = {}
+    rejected: dict[str, str] = {}
+    for subkey, (beat, expiration) in opened.items():
+        if beat.live_until(expiration) + CLOCK_DEADBAND_S < now:
+            continue
+        if beat.sent_at > now + CLOCK_SLACK_S:
+            rejected[subkey] = "heartbeat signed in the future (its clock is far ahead)"
         elif config_hash and beat.role == "learner" and beat.config_hash != config_hash:
             rejected[subkey] = (
                 f"trains with another run config ({beat.config_hash[:12]} vs ours {config_hash[:12]})"
@@ -248,12 +319,52 @@ def live_members(
     return live, rejected
 
 
+def live_members(
+    run: str, records: Mapping[str, tuple[bytes, float]], now: float, config_hash: str = ""
+) -> tuple[dict[str, Heartbeat], dict[str, str]]:
+    """(live heartbeats by peer id, rejection reason by subkey) from DHT records at swarm
+    time `now`: `open_members` then `judge_members`. Only heartbeats signed by the peer
+    they name count."""
+    opened, rejected = open_members(run, records, now)
+    live, refused = judge_members(opened, now, config_hash)
+    return live, {**rejected, **refused}
+
+
+def swarm_offset_s(opened: Opened, now: float, me: str) -> float:
+    """What to add to this peer's clock (reading `now`) to agree with the swarm: the
+    median of the others' signed send times less `now`, this peer counted as one vote of
+    0 (so one skewed peer moves nobody else), clamped to MAX_CLOCK_OFFSET_S, and 0 within
+    CLOCK_DEADBAND_S. Only beats within that offset of live vote. A beat is read up to a
+    period after it was sent, so the estimate runs a little behind; the dead band and
+    CLOCK_SLACK_S cover that."""
+    window = MAX_CLOCK_OFFSET_S + CLOCK_SLACK_S
+    offsets = [0.0] + [
+        b.sent_at - now
+        for p, (b, expiration) in opened.items()
+        if p != me and b.live_s > 0 and b.live_until(expiration) >= now - window and b.sent_at <= now + window
+    ]
+    offsets.sort()
+    middle = len(offsets) // 2
+    median = offsets[middle] if len(offsets) % 2 else (offsets[middle - 1] + offsets[middle]) / 2
+    if abs(median) <= CLOCK_DEADBAND_S:
+        return 0.0
+    return max(-MAX_CLOCK_OFFSET_S, min(MAX_CLOCK_OFFSET_S, median))
+
+
 def synchronizer_candidates(
-    members: Mapping[str, Heartbeat], entitled: Callable[[Heartbeat], bool] | None = None
+    members: Mapping[str, Heartbeat],
+    entitled: Callable[[Heartbeat], bool] | None = None,
+    proven: Collection[str] | None = None,
 ) -> list[str]:
     """Peers that may be elected: live learners that accept connections and are entitled
-    (in a certified run: hold an operator certificate as synchronizer)."""
-    return sorted(
+    (in a certified run: hold an operator certificate as synchronizer).
+
+    With `proven` (an open run that has committed rounds): only those of them in
+    `proven` (peers the canonical chain shows reachable), unless none of those is live,
+    then all of them (the run must not halt when its proven peers have left). A free
+    identity with a heartbeat is then never elected: it would only make learners fail
+    over through an address nobody can reach."""
+    eligible = sorted(
         p
         for p, b in members.items()
         if b.role == "learner"
@@ -261,6 +372,11 @@ def synchronizer_candidates(
         and b.status != "leaving"
         and (entitled is None or entitled(b))
     )
+    if proven:
+        shown = [p for p in eligible if p in proven]
+        if shown:
+            return shown
+    return eligible
 
 
 def learners(members: Mapping[str, Heartbeat]) -> list[str]:

@@ -12,6 +12,19 @@ two records for one round. Every peer resolves them with the same rule,
 whose parent is the chosen hash of the round before and whose synchronizer ranks highest
 in the rendezvous order of that round wins. Replicas that applied a losing update repair
 to the winning chain; contributions merged only in a loser are sent again.
+
+Two decisions that would fork the swarm if peers took them from local timing are taken
+from signed data instead:
+
+- *Supersession* (no local void): when nobody can serve a committed update, the round is
+  re-run by a synchronizer whose record names the digest it supersedes (`supersedes`,
+  signed). Every peer skips the superseded record alike, but only when the re-run was
+  closed at least `supersede_after_s` after it (both times are the records' own signed
+  `closed_at`) and no record built on it was closed before the re-run: a committed round
+  that anyone built on can never be superseded, so history cannot be rewritten this way.
+- *Chain start* (no rewind): once early records expired, the chain starts where it
+  reaches the highest head (ties: the lowest start), also from the hash this replica
+  itself reached (`anchor`), so one stray record below the real start truncates nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +44,9 @@ MAX_RECORD_BYTES = 1 << 16
 """A round record larger than this is not one (bytes)."""
 MAX_LISTED_PEERS = 1024
 """Contributors or holders one record may name."""
+SUPERSEDE_AFTER_S = 60.0
+"""Signed time between a record and the re-run that supersedes it, seconds (a run passes
+its `sync.round_deadline_s`, the same on every peer of the run)."""
 
 
 def rounds_key(run: str, fragment: int) -> str:
@@ -74,6 +90,9 @@ class RoundRecord:
     """DHT time the round was committed."""
     certificates: tuple[bytes, ...] = ()
     """The synchronizer's operator certificates (a certified run admits no record without)."""
+    supersedes: str = ""
+    """Digest of a record of the same round and parent whose update nobody could serve:
+    this record re-runs the round in its place ("" for none; see `superseded_digests`)."""
     sealed: bytes = field(default=b"", compare=False, repr=False)
     """The signed bytes this record was read from or sealed into (what is stored and sent)."""
 
@@ -95,6 +114,8 @@ class RoundRecord:
                 "grace_s": self.grace_s,
                 "closed_at": self.closed_at,
                 "certificates": list(self.certificates),
+                # only when set: records that supersede nothing keep their old bytes
+                **({"supersedes": self.supersedes} if self.supersedes else {}),
             },
             use_bin_type=True,
         )
@@ -180,6 +201,7 @@ def decode_round_record(raw: bytes) -> RoundRecord | None:
             grace_s=_number(data["grace_s"]),
             closed_at=_number(data["closed_at"]),
             certificates=tuple(_blob(c) for c in _peers(data.get("certificates", []))[:4]),
+            supersedes=_str(data.get("supersedes", ""), 64),
         )
     except Exception:  # noqa: BLE001 - untrusted bytes
         return None
@@ -238,36 +260,107 @@ def rank(run: str, record: RoundRecord) -> tuple[int, str]:
     return (-rendezvous_score(run, record.round, record.fragment, record.synchronizer), record.synchronizer)
 
 
+def superseded_digests(
+    records: Iterable[RoundRecord], supersede_after_s: float = SUPERSEDE_AFTER_S
+) -> frozenset[str]:
+    """Digests of the records a valid re-run supersedes (pure, the same on every peer).
+
+    A record S supersedes T when S names T's digest, both are of the same round and
+    parent, S was closed at least `supersede_after_s` after T (signed times), and no
+    record built on T (next round, parent T's hash) was closed before S: once anyone
+    committed on T, T was served and applied, and stays.
+    """
+    records = list(records)
+    by_digest: dict[tuple[int, str], list[RoundRecord]] = {}
+    children_closed: dict[tuple[int, str], float] = {}
+    for record in records:
+        by_digest.setdefault((record.round, record.digest), []).append(record)
+        key = (record.round - 1, record.parent)
+        children_closed[key] = min(children_closed.get(key, math.inf), record.closed_at)
+    out: set[str] = set()
+    for rerun in records:
+        if not rerun.supersedes or rerun.supersedes == rerun.digest:
+            continue
+        for target in by_digest.get((rerun.round, rerun.supersedes), ()):
+            if (
+                target.parent == rerun.parent
+                and rerun.closed_at - target.closed_at >= supersede_after_s
+                and children_closed.get((target.round, target.hash), math.inf) >= rerun.closed_at
+            ):
+                out.add(target.digest)
+    return frozenset(out)
+
+
 def canonical_chain(
     run: str,
     records: Iterable[RoundRecord],
     genesis_hash: str,
     void: frozenset[str] = frozenset(),
+    *,
+    anchor: tuple[int, str] | None = None,
+    supersede_after_s: float = SUPERSEDE_AFTER_S,
 ) -> dict[int, RoundRecord]:
-    """The one record per round every peer follows, from round 0 as far as the chain goes.
+    """The one record per round every peer follows, from its start as far as it goes.
 
     Round r's record is the best-ranked among those whose parent is the chosen hash
-    after round r-1 (the genesis hash for r = 0). Records whose digest is in `void` (their
-    update could not be fetched from anyone) are skipped. Where early records have
-    expired from the DHT, the chain starts at the lowest round present, from its
-    best-ranked record.
+    after round r-1. Records whose digest is in `void` (proven false, or not applicable by
+    anyone) and records superseded by a valid re-run (`superseded_digests`) are skipped.
+
+    Where the chain starts: from the genesis hash at round 0, from `anchor` (round a, the
+    hash this replica recorded after applying round a, once round a's records expired:
+    the chain then goes on at a + 1), or, where early records have expired, at any round whose records no record of the
+    round before leads to (a *free* start, from its best-ranked record). The longest chain
+    wins, counted from round 0 for a linked chain (genesis, the anchor, or a free chain
+    that passes through the anchor: verified by this replica) and from its start for a
+    free one; ties go to the lowest start, then to a linked chain. So one stray record
+    below the real start, or above its head, truncates nothing (its chain is one round
+    long), and outgrowing a replica's own chain takes more forged records than its head
+    round.
     """
+    records = list(records)
+    skipped = void | superseded_digests(records, supersede_after_s)
     by_round: dict[int, list[RoundRecord]] = {}
     for record in records:
-        if record.digest not in void:
+        if record.digest not in skipped:
             by_round.setdefault(record.round, []).append(record)
-    chain: dict[int, RoundRecord] = {}
     if not by_round:
-        return chain
-    round_id = 0 if 0 in by_round else min(by_round)
-    parent = genesis_hash if round_id == 0 else None
-    while round_id in by_round:
-        rivals = [r for r in by_round[round_id] if parent is None or r.parent == parent]
-        if not rivals:
-            break
-        best = min(rivals, key=lambda r: rank(run, r))
-        chain[round_id] = best
-        parent, round_id = best.hash, round_id + 1
+        return {}
+
+    def best(round_id: int, parent: str | None) -> RoundRecord | None:
+        rivals = [r for r in by_round.get(round_id, ()) if parent is None or r.parent == parent]
+        return min(rivals, key=lambda r: rank(run, r)) if rivals else None
+
+    # the head reached from (round, parent) and whether the way passes the anchor, computed
+    # once per pair from the top down: choosing among many starts costs one pass, not a
+    # walk per start
+    ahead: dict[tuple[int, str | None], tuple[int, bool]] = {}
+    for round_id in sorted(by_round, reverse=True):
+        for parent in {r.parent for r in by_round[round_id]} | {None}:
+            chosen = best(round_id, parent)
+            assert chosen is not None
+            head, through = ahead.get((round_id + 1, chosen.hash), (round_id + 1, False))
+            ahead[(round_id, parent)] = (head, through or anchor == (round_id, chosen.hash))
+    leads = {(r.round, r.hash) for r in records}  # skipped ones too: what was built on a void
+    # or superseded update is not a fresh start
+    scored: list[tuple[int, int, bool, str | None]] = []  # (length, start, free, parent)
+    if (0, genesis_hash) in ahead:
+        scored.append((ahead[(0, genesis_hash)][0], 0, False, genesis_hash))
+    present = {r.round for r in records}
+    if anchor is not None and anchor[0] not in present and (anchor[0] + 1, anchor[1]) in ahead:
+        # only where the anchor's own round has expired: where its records remain, the
+        # rank decides there as for every peer (a replica on a losing branch repairs)
+        scored.append((ahead[(anchor[0] + 1, anchor[1])][0], anchor[0] + 1, False, anchor[1]))
+    for round_id, rivals in by_round.items():
+        if round_id > 0 and not any((round_id - 1, r.parent) in leads for r in rivals):
+            head, through = ahead[(round_id, None)]  # nothing leads here: an expired past
+            # counted from round 0 when it passes what this replica applied, else from its start
+            scored.append((head if through else head - round_id, round_id, not through, None))
+    if not scored:
+        return {}
+    _length, start, _free, parent = min(scored, key=lambda s: (-s[0], s[1], s[2]))
+    chain: dict[int, RoundRecord] = {}
+    round_id = start
+    while (chosen := best(round_id, parent)) is not None:
+        chain[round_id] = chosen
+        parent, round_id = chosen.hash, round_id + 1
     return chain
-
-

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import random
 import statistics
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,7 @@ from p2pdiloco.protocol.rounds import RoundRecord
 from p2pdiloco.roles.download import StateDownload
 from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.transport.base import Transport, TransportError
+from p2pdiloco.transport.ratelimit import RateLimiter
 from p2pdiloco.trust.audit import (
     MISMATCH,
     NOTICE_TTL_S,
@@ -51,9 +53,26 @@ FETCH_TIMEOUT_S = 30.0
 """Deadline of one `get_contributions` call, seconds."""
 MAX_NOTICES = 64
 """Fraud notices read at once."""
+NOTICE_READ_INTERVAL_S = 10.0
+"""The run's fraud notices are read at most this often (not on every sync pass)."""
+MAX_VERIFICATIONS_PER_READ = 1
+"""Notices verified per read: each may download a fragment from its notifier."""
+MAX_TRIES_PER_RECORD = 2
+"""Notices verified per accused record, at most, whoever sent them (one that checks out,
+OK or mismatch, ends it: the verdict is ours)."""
+NOTICES_PER_NOTIFIER_PER_S = 1 / 600
+"""A notifier's notices are verified at most this often, after a burst of two."""
+MAX_NOTICES_SEEN = 1 << 16
 
 Convicted = Callable[[RoundRecord, str], Awaitable[None]]
 """What the replica does with a proven false merge: `await convicted(record, reason)`."""
+
+
+def sampling_divisor(listed: int, live_learners: int) -> int:
+    """What a peer divides `audit_share` by: the live learners it sees, which every
+    apply a round, at most the contributions the record lists (a synchronizer can only
+    lower it, and be audited more), at least one."""
+    return max(1, min(listed, live_learners))
 
 
 class Audits:
@@ -87,23 +106,68 @@ class Audits:
         self.recent_norms = [deque(maxlen=NORM_HISTORY) for _ in state.fragments]
         """Outer-gradient norms of the last applied updates, per fragment (the same on
         every replica: they follow the same chain)."""
+        self.unverified_since: dict[str, float] = {}
+        """Digest -> when (monotonic) an update that must be verified first failed to be."""
+        self.live_learners: Callable[[], list[str]] = lambda: []
+        """Live learners this peer sees: notices count only from them; their number
+        divides the audit share (`should_audit`)."""
+        self.clock: Callable[[], float] = time.monotonic
         self._notices_seen: set[str] = set()
+        self._notices_read_at: float | None = None
+        self._records_verified: set[tuple[int, int, str]] = set()
+        """(fragment, round, digest) of the records a notice made us verify (OK or mismatch)."""
+        self._notice_tries: dict[tuple[int, int, str], int] = {}
+        self.notice_limiter = RateLimiter(rate_per_s=NOTICES_PER_NOTIFIER_PER_S, burst=2)
+        self.notice_verifications = 0
+        """Notices verified so far (each may have downloaded a fragment)."""
         self.bytes_received = 0
 
-    def should_audit(self, record: RoundRecord, norm: float) -> bool:
-        """Sampled (`audit_share` audits a round, spread over its contributors), and always
-        when the update is out of line with the last ones: a lie big enough to hurt is
-        checked by every peer before it is applied."""
+    def out_of_line(self, record: RoundRecord, norm: float) -> bool:
+        """Whether the update's outer-gradient norm is more than `SUSPICION_FACTOR` times
+        the median of the last applied ones: then it is applied only once an audit
+        verified it (`must_verify`)."""
+        recent = self.recent_norms[record.fragment]
+        return len(recent) >= MIN_NORM_HISTORY and norm > SUSPICION_FACTOR * statistics.median(recent)
+
+    def must_verify(self, record: RoundRecord, norm: float) -> bool:
+        """An out-of-line update of another synchronizer, on a peer that audits: held until
+        an audit says OK (issue 28, item 7: it was applied when the synchronizer refused
+        `get_contributions`, so a lie big enough to hurt was applied by refusing audits)."""
         if self.auditor is None or record.synchronizer == self.transport.peer_id:
             return False
-        recent = self.recent_norms[record.fragment]
-        if len(recent) >= MIN_NORM_HISTORY and norm > SUSPICION_FACTOR * statistics.median(recent):
+        return self.out_of_line(record, norm)
+
+    def should_audit(self, record: RoundRecord, norm: float) -> bool:
+        """Always when the update must be verified (`must_verify`), else sampled:
+        `audit_share` audits a round across the swarm, each peer with probability
+        `audit_share / n`, n the live learners this peer sees (each applies the round),
+        at most the record's contributors. Not the record's count alone: a synchronizer
+        that listed many contributions would make itself almost never audited."""
+        if self.auditor is None or record.synchronizer == self.transport.peer_id:
+            return False
+        if self.must_verify(record, norm):
             log.info(
                 "update out of line round=%d fragment=%d norm=%.4g median=%.4g: auditing",
-                record.round, record.fragment, norm, statistics.median(recent),
+                record.round, record.fragment, norm, statistics.median(self.recent_norms[record.fragment]),
             )
             return True
-        return random.random() < self.audit_share / max(1, len(record.contributions))
+        return random.random() < self.audit_share / sampling_divisor(len(record.contributions), len(self.live_learners()))
+
+    def unverified(self, record: RoundRecord, reason: str) -> None:
+        """An update that must be verified and could not be (its synchronizer did not serve
+        its contributions, or the record claims no history the chain holds): not applied;
+        from now on the round counts as one this replica cannot get (`unverified_since`),
+        which lets its next synchronizer re-run it once `void_after_s` passed by the
+        record's signed time, as for an update nobody serves."""
+        first = self.unverified_since.setdefault(record.digest, time.monotonic())
+        log.warning(
+            "out-of-line update not verified round=%d fragment=%d synchronizer=%s reason=%r held_s=%.0f",
+            record.round, record.fragment, record.synchronizer[-8:], reason, time.monotonic() - first,
+        )
+        self.on_event(
+            {"event": "unverified", "fragment": record.fragment, "round": record.round,
+             "synchronizer": record.synchronizer, "reason": reason}
+        )
 
     async def fetch_contributions(self, record: RoundRecord) -> list[bytes] | None:
         """The signed contributions of `record`'s round, from its synchronizer (None: not served)."""
@@ -171,34 +235,91 @@ class Audits:
         self, record_of: Callable[[int, int], RoundRecord | None], chain_of: Callable[[int], dict[int, RoundRecord]],
         parent_hash: Callable[[int, int], str | None], convicted: Convicted,
     ) -> None:
-        """Re-run the audit of every new fraud notice; act only on what we verify ourselves.
+        """Verify the run's new fraud notices; act only on what we verify ourselves.
 
         `record_of(fragment, round)` is the record this replica follows (None: none, or
         voided); `convicted` is awaited for each lie verified here.
+
+        A notice is a claim anyone can sign, and verifying one may download a whole
+        fragment from its notifier; every peer used to do it for each new notice, on
+        every sync pass, so a hundred identities made every peer download a hundred
+        fragments (issue 28, item 11). Now the notices are read at most every
+        `NOTICE_READ_INTERVAL_S`; a notice counts only from a live learner, within
+        its notifier's rate (`NOTICES_PER_NOTIFIER_PER_S`), for the record this replica
+        follows; each record is verified once (OK or mismatch: never again) and tried at
+        most `MAX_TRIES_PER_RECORD` times; at most `MAX_VERIFICATIONS_PER_READ`
+        verifications run per read.
         """
         if self.auditor is None:
             return
+        now = self.clock()
+        if self._notices_read_at is not None and now - self._notices_read_at < NOTICE_READ_INTERVAL_S:
+            return
+        self._notices_read_at = now
         raw = await self.transport.get(notices_key(self.run))
+        live = set(self.live_learners())
+        verifications = 0
         for subkey, (value, _expiration) in list(raw.items())[:MAX_NOTICES]:
-            if subkey in self._notices_seen:
-                continue
-            self._notices_seen.add(subkey)
-            notice = open_notice(self.run, subkey, value)
-            if isinstance(notice, str) or not 0 <= notice.fragment < self.state.num_fragments:
+            if verifications >= MAX_VERIFICATIONS_PER_READ:
+                break  # the rest waits for the next read (not marked seen)
+            notice = self._notice_to_verify(subkey, value, live, record_of)
+            if notice is None:
                 continue
             record = record_of(notice.fragment, notice.round)
-            if record is None or record.digest != notice.digest:
-                continue
-            snapshot = await self._parent_state(record, notice.auditor, parent_hash)
-            if snapshot is None:
-                log.warning("fraud notice round=%d by=%s: parent state unavailable, not verified", notice.round, notice.auditor[-8:])
-                continue
-            result = await self.audit(record, snapshot, chain_of(record.fragment))
-            if result.verdict == MISMATCH:
-                await convicted(record, f"verified notice of {notice.auditor[-8:]}: {result.reason}")
-            elif result.verdict == OK:
-                log.warning("false fraud notice round=%d by=%s: the merge checks out", notice.round, notice.auditor[-8:])
-                self.on_event({"event": "false_notice", "round": notice.round, "auditor": notice.auditor})
+            assert record is not None  # checked by _notice_to_verify
+            verifications += 1
+            key = (record.fragment, record.round, record.digest)
+            self._notice_tries[key] = self._notice_tries.get(key, 0) + 1
+            verdict = await self._verify_notice(record, notice, chain_of, parent_hash, convicted)
+            if verdict in (OK, MISMATCH):
+                self._records_verified.add(key)
+
+    def _notice_to_verify(
+        self, subkey: object, value: object, live: set[str], record_of: Callable[[int, int], RoundRecord | None]
+    ) -> FraudNotice | None:
+        """The notice under `subkey` if it is worth a verification now, else None (and,
+        unless only the rate stood in its way, never looked at again)."""
+        if not isinstance(subkey, str) or subkey in self._notices_seen:
+            return None
+        notice = open_notice(self.run, subkey, value)
+        if isinstance(notice, str) or not 0 <= notice.fragment < self.state.num_fragments:
+            self._remember_seen(subkey)
+            return None
+        record = record_of(notice.fragment, notice.round)
+        key = None if record is None else (record.fragment, record.round, record.digest)
+        if (
+            record is None or record.digest != notice.digest or notice.auditor not in live
+            or key in self._records_verified or self._notice_tries.get(key, 0) >= MAX_TRIES_PER_RECORD
+        ):  # fmt: skip
+            self._remember_seen(subkey)
+            return None
+        if not self.notice_limiter.allow(notice.auditor):
+            return None  # this notifier's rate is spent: maybe on a later read
+        self._remember_seen(subkey)
+        return notice
+
+    def _remember_seen(self, subkey: str) -> None:
+        self._notices_seen.add(subkey)
+        if len(self._notices_seen) > MAX_NOTICES_SEEN:
+            self._notices_seen.clear()  # bounded memory; old notices are re-checked cheaply
+
+    async def _verify_notice(
+        self, record: RoundRecord, notice: FraudNotice, chain_of: Callable[[int], dict[int, RoundRecord]],
+        parent_hash: Callable[[int, int], str | None], convicted: Convicted,
+    ) -> str:
+        """Re-run the audit a notice claims failed; the verdict."""
+        self.notice_verifications += 1
+        snapshot = await self._parent_state(record, notice.auditor, parent_hash)
+        if snapshot is None:
+            log.warning("fraud notice round=%d by=%s: parent state unavailable, not verified", notice.round, notice.auditor[-8:])
+            return UNVERIFIABLE
+        result = await self.audit(record, snapshot, chain_of(record.fragment))
+        if result.verdict == MISMATCH:
+            await convicted(record, f"verified notice of {notice.auditor[-8:]}: {result.reason}")
+        elif result.verdict == OK:
+            log.warning("false fraud notice round=%d by=%s: the merge checks out", notice.round, notice.auditor[-8:])
+            self.on_event({"event": "false_notice", "round": notice.round, "auditor": notice.auditor})
+        return result.verdict
 
     async def _parent_state(
         self, record: RoundRecord, donor: str, parent_hash: Callable[[int, int], str | None]

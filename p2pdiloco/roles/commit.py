@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -28,7 +28,8 @@ from p2pdiloco.config import RunConfig
 from p2pdiloco.outer.fragment import FragmentState, outer_update
 from p2pdiloco.outer.screening import ScreeningRules
 from p2pdiloco.outer.step import tensor_norm
-from p2pdiloco.protocol.membership import Heartbeat, learners
+from p2pdiloco.protocol.election import rendezvous_score
+from p2pdiloco.protocol.membership import Heartbeat
 from p2pdiloco.protocol.merge import RoundMerge, history_of, max_tokens_per_step, merge_round
 from p2pdiloco.protocol.rounds import (
     RoundRecord,
@@ -42,6 +43,7 @@ from p2pdiloco.roles.replica import ReplicaSync
 from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.roles.window import Window
 from p2pdiloco.transport.base import Transport, TransportError, transfer_timeout_s
+from p2pdiloco.transport.ratelimit import RateLimiter
 from p2pdiloco.wire import messages
 from p2pdiloco.wire.contributions import (
     ContributionStore,
@@ -81,6 +83,46 @@ class Merged:
     norm: float = 0.0
 
 
+MORE_HOLDERS_GRACE_S = 2.0
+"""Once one holder acked, how long (at least) the others may still take: the update is
+safe with one copy beside the synchronizer's, more are a margin, not a condition."""
+
+HOLDERS_SALT = "holders"
+"""Mixed into the rendezvous hash that orders holders, so the order differs from the
+synchronizer election's (`election.rendezvous_score`)."""
+
+
+def holder_order(
+    run: str,
+    round_id: int,
+    fragment: int,
+    synchronizer: str,
+    contributors: list[str],
+    members: Mapping[str, Heartbeat],
+) -> list[str]:
+    """The peers a synchronizer asks to hold its update, in order: the round's
+    contributors, then the other live learners, each group by rendezvous hash over
+    (run, round, fragment, peer).
+
+    Only peers whose heartbeat says they accept connections (not `client_mode`, not
+    leaving): a holder nobody can dial holds nothing for the run. The order was the
+    contributors' by peer id, so the lowest id was the sole holder of every round it
+    contributed to, and an identity ground to a low id could hold (and withhold) every
+    update (issue 28, item 10); by hash, it is first in about one round in N.
+    """
+    reachable = {
+        p for p, b in members.items()
+        if b.role == "learner" and not b.client_mode and b.status != "leaving" and p != synchronizer
+    }  # fmt: skip
+
+    def ranked(peers: set[str]) -> list[str]:
+        salted = f"{run}/{HOLDERS_SALT}"
+        return sorted(peers, key=lambda p: (-rendezvous_score(salted, round_id, fragment, p), p))
+
+    first = ranked(reachable & set(contributors))
+    return first + ranked(reachable - set(first))
+
+
 class Committer:
     """Commits the windows one synchronizer closes."""
 
@@ -116,6 +158,9 @@ class Committer:
         self.max_tokens_per_step = max_tokens_per_step(config)
         self.kept = ContributionStore()
         """Signed contributions of the rounds this peer committed, served to auditors."""
+        self.audit_limiter = RateLimiter(rate_per_s=state.num_fragments, burst=4 * state.num_fragments + 4)
+        """Contribution lists served per caller: an auditor asks once per audited round
+        (at most one a fragment a second, sustained); a flood is refused (issue 28, 14)."""
         self.sync_time = RunningMean()
         self.tasks: set[asyncio.Task] = set()
         """Background pushes still running after their commit."""
@@ -132,6 +177,8 @@ class Committer:
         kept = self.kept.get(*asked)
         if kept is None:
             raise LookupError(f"contributions of round {asked[0]} fragment {asked[1]} are not kept here")
+        if not self.audit_limiter.allow(caller):
+            raise PermissionError("get_contributions rate limited")
         return encode_contribution_list(kept)
 
     # --- 1. merge ---------------------------------------------------------------------------
@@ -172,20 +219,20 @@ class Committer:
     # --- 2. hold ----------------------------------------------------------------------------
 
     async def hold(self, update: Update) -> list[str] | None:
-        """Step 2: push the update to live learners until `commit_holders` keep it; None
-        if too few do.
+        """Step 2: push the update to live learners until `commit_holders` keep it (or the
+        targets run out, or a short grace after the first ack); None if nobody does.
 
-        Contributors first (they need it anyway), then the other live learners. Only as
+        Contributors first (they need it anyway), then the other live learners, each group
+        in `holder_order` (reachable peers only, by rendezvous hash). Only as
         many pushes as holders are still needed run at once (a failed one is replaced by
         the next target), so on a slow uplink the first holder gets the whole of it; once
         enough acked, the other learners get it in the background, `BACKGROUND_PUSHES` at
         a time, so more peers hold it.
         """
         self.replicas.keep(update)
-        me = self.peer_id
-        contributors = [c[0] for c in update.contributors if c[0] != me]
-        others = [p for p in learners(self.members()) if p != me and p not in contributors]
-        targets = contributors + others
+        targets = holder_order(
+            self.run, update.round, update.fragment, self.peer_id, [c[0] for c in update.contributors], self.members()
+        )
         need = min(self.config.sync.commit_holders, len(targets))
         if need == 0:
             return []
@@ -200,10 +247,13 @@ class Committer:
             done, running = await asyncio.wait(
                 running, timeout=deadline - time.monotonic(), return_when=asyncio.FIRST_COMPLETED
             )
-            holders += [peer for peer in (task.result() for task in done) if peer is not None]
+            acked = [peer for peer in (task.result() for task in done) if peer is not None]
+            if acked and not holders:  # one copy is safe: the others get a short grace only
+                deadline = min(deadline, time.monotonic() + max(MORE_HOLDERS_GRACE_S, timeout_s / 4))
+            holders += acked
         for task in running:
             task.cancel()
-        if len(holders) < need:
+        if not holders:  # a holder that is dead or unreachable must not fail the round
             return None
         if queue:
             task = asyncio.ensure_future(self._push_rest(queue, update, timeout_s))
@@ -256,12 +306,14 @@ class Committer:
             holders=tuple(holders),
             contributors=update.contributors,
             contributions=tuple(contribution_digest(window.sealed[v.peer]) for v in screening.kept),
-            norms=tuple(v.merged_norm for v in screening.kept),
+            norms=tuple(v.history_norm for v in screening.kept),
             refused=tuple(contribution_digest(window.sealed[p]) for p in sorted(screening.refused)),
             history_from=merged.history_first,
             grace_s=grace_s,
             closed_at=self.transport.now(),
             certificates=self.certificates,
+            # a re-run of a round whose update nobody could serve names the record it replaces
+            supersedes=self.replicas.supersedable(window.fragment, window.round),
         )
         return signed_record(self.transport.identity, self.run, record)
 
@@ -271,8 +323,9 @@ class Committer:
             return False
         raw = await self.transport.get(rounds_key(self.run, fragment))
         parent = self.replicas.parent_hash(fragment, round_id)
+        rerun_of = self.replicas.supersedable(fragment, round_id)  # this peer re-runs it
         return any(
-            r.round == round_id and r.parent == parent
+            r.round == round_id and r.parent == parent and r.digest != rerun_of
             for r in records_of(self.run, raw, fragment, self.replicas.entitlement.entitled).values()
         )
 

@@ -2,14 +2,21 @@
 a losing branch: downloaded in parts, verified by hash against the canonical chain.
 
 hivemind's state download trusts the highest claimed round and one donor; here a state
-counts only when its checked copies hash to a record of the canonical chain (a donor can
-make a download fail, never land), and a joiner's fragments are spread over donors.
+counts only when its checked copies hash to a record of the canonical chain at (or within
+`MAX_DONOR_LAG_ROUNDS` of) the chain's head: a donor can make a download fail, never land,
+and never roll a joiner back to an older state of the chain. A state is refused at its
+first part when it names another round or hash (a stale donor costs one part, not a
+fragment). Donors are spread over, at most `MAX_DONORS` are tried, and the whole download
+has one deadline. Nothing here takes the replica's lock: `fetch_verified` only downloads
+and checks; the replica installs under its lock afterwards, after checking again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,6 +33,26 @@ log = logging.getLogger(__name__)
 
 STATE_TIMEOUT_S = 120.0
 """Deadline of one `get_state` call, seconds, plus a whole part (fp32) at that link."""
+MAX_DONORS = 4
+"""Donors one download tries before it gives up (the next sync pass tries others)."""
+MAX_DONOR_LAG_ROUNDS = 1
+"""Rounds below the chain's head a downloaded state may stand at (a donor that has not yet
+applied the newest round): an older state of the chain is refused."""
+
+
+def acceptable_state(round_id: int, hash_: str, chain: dict[int, RoundRecord]) -> RoundRecord | str:
+    """The record a state at `round_id` (after round_id - 1) with `hash_` stands on, or why
+    it is refused: it must hash to the chain's record of its round and be no older than
+    `MAX_DONOR_LAG_ROUNDS` below the chain's head (pure)."""
+    if not chain:
+        return "no chain to check the state against"
+    head = max(chain) + 1
+    record = chain.get(round_id - 1)
+    if record is None or record.hash != hash_:
+        return f"state of round {round_id} is not on the canonical chain"
+    if round_id < head - MAX_DONOR_LAG_ROUNDS:
+        return f"state of round {round_id} is stale: the chain's head is {head}"
+    return record
 
 
 class StateDownload:
@@ -50,59 +77,90 @@ class StateDownload:
         self.on_event = on_event
         self.bytes_received = 0
 
-    def donors(self, fragment: int) -> list[str]:
-        """Live learners that accept connections and hold the fragment past round 0, most
-        advanced first."""
+    def donors(self, fragment: int, head: int = 0) -> list[str]:
+        """Live learners that accept connections and hold the fragment past round 0: those
+        whose heartbeat says they reached `head` (less the lag allowed) first, each group in
+        an order that differs from peer to peer (joiners spread over donors), then `MAX_DONORS`
+        of them."""
         me, members = self.transport.peer_id, self.members()
-        return sorted(
-            (
-                p
-                for p, beat in members.items()
-                if p != me
-                and beat.role == "learner"
-                and not beat.client_mode
-                and len(beat.rounds) > fragment
-                and beat.rounds[fragment] > 0
-            ),
-            key=lambda p: -members[p].rounds[fragment],
-        )
+        holding = [
+            p
+            for p, beat in members.items()
+            if p != me
+            and beat.role == "learner"
+            and not beat.client_mode
+            and len(beat.rounds) > fragment
+            and beat.rounds[fragment] > 0
+        ]
 
-    async def download(self, fragment: int, chain: dict[int, RoundRecord]) -> RoundRecord | None:
-        """Install the fragment's state from a donor on the canonical chain `chain`,
-        verified by hash; the record of the round the state stands after, or None."""
-        wanted = {record.hash: record for record in chain.values()}
+        def spread(peer: str) -> int:
+            return zlib.crc32(f"{me}/{fragment}/{peer}".encode())
+
+        current = sorted((p for p in holding if members[p].rounds[fragment] >= head - MAX_DONOR_LAG_ROUNDS), key=spread)
+        behind = sorted((p for p in holding if members[p].rounds[fragment] < head - MAX_DONOR_LAG_ROUNDS),
+                        key=lambda p: (-members[p].rounds[fragment], spread(p)))  # fmt: skip
+        return (current + behind)[:MAX_DONORS]
+
+    async def fetch_verified(
+        self, fragment: int, chain: dict[int, RoundRecord]
+    ) -> tuple[FragmentState, RoundRecord, str] | None:
+        """A state of `fragment` at the head of `chain` (`acceptable_state`), its copies
+        checked and hashed against the chain's record: (the state, its record, the donor),
+        or None. Installs nothing and takes no lock; at most `MAX_DONORS` donors, each with
+        a deadline, and one deadline for all."""
+        if not chain:
+            return None
         head = max(chain) + 1
-        donors = self.donors(fragment)
+        donors = self.donors(fragment, head)
         if not donors:
             log.warning("no donor for fragment=%d round=%d", fragment, head)
             return None
-        start = fragment % len(donors)  # spread a joiner's downloads over donors
+        # one donor gets at most a whole fragment's time at the slowest expected link
+        # (parameters, momentum, sums: 12 bytes a parameter); the download twice that
+        per_donor_s = transfer_timeout_s(STATE_TIMEOUT_S, 12 * self.state.sizes[fragment])
+        deadline = time.monotonic() + 2 * per_donor_s
         loop = asyncio.get_running_loop()
-        for donor in donors[start:] + donors[:start]:
-            state = await self.fetch(donor, fragment, head)
+
+        def refusal(round_id: int, hash_: str) -> str:
+            verdict = acceptable_state(round_id, hash_, chain)
+            return verdict if isinstance(verdict, str) else ""
+
+        for donor in donors:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("state download out of time fragment=%d round=%d", fragment, head)
+                return None
+            try:
+                state = await asyncio.wait_for(self.fetch(donor, fragment, head, refusal), min(left, per_donor_s))
+            except TimeoutError:
+                log.warning("state download out of time donor=%s fragment=%d", donor[-8:], fragment)
+                continue
             if state is None:
                 continue
-            record = wanted.get(state.hash)
-            if record is None or record.round != state.round - 1:
-                log.warning(
-                    "state from donor=%s round=%d is not on the canonical chain: refused", donor[-8:], state.round
-                )
+            record = acceptable_state(state.round, state.hash, chain)
+            if isinstance(record, str):
+                log.warning("state from donor=%s refused reason=%r", donor[-8:], record)
                 continue
-            local_hash = await loop.run_in_executor(self.worker, self.state.import_verified, state)
-            if local_hash != state.hash:
+            checked = await loop.run_in_executor(self.worker, self.state.verified_copy, state)
+            if checked is None:
                 log.warning("state from donor=%s does not hash to its claim: refused", donor[-8:])
                 continue
-            log.info(
-                "downloaded fragment=%d round=%d donor=%s hash=%s", fragment, state.round, donor[-8:], state.hash[:12]
-            )
-            self.on_event(
-                {"event": "downloaded", "fragment": fragment, "round": state.round, "donor": donor, "hash": state.hash}
-            )
-            return record
+            log.info("downloaded fragment=%d round=%d donor=%s hash=%s", fragment, state.round, donor[-8:], state.hash[:12])
+            return checked, record, donor
         return None
 
-    async def fetch(self, donor: str, fragment: int, head: int) -> FragmentState | None:
-        """Every part of `fragment`'s state from `donor`, or None (logged) when it fails."""
+    def announce(self, state: FragmentState, donor: str) -> None:
+        """The `downloaded` event of an installed state."""
+        self.on_event(
+            {"event": "downloaded", "fragment": state.fragment, "round": state.round, "donor": donor, "hash": state.hash}
+        )
+
+    async def fetch(
+        self, donor: str, fragment: int, head: int, refusal: Callable[[int, str], str] | None = None
+    ) -> FragmentState | None:
+        """Every part of `fragment`'s state from `donor`, or None (logged) when it fails.
+        `refusal(round, hash)`, when given, is asked at the first part: a state it refuses
+        is not downloaded further."""
         me = self.transport.peer_id
         assembler = PartsAssembler(fragment, self.state.fragments[fragment])
         elements = self.state.sizes[fragment]
@@ -130,6 +188,8 @@ class StateDownload:
                 self.worker, decode_part, raw, self.run, fragment, self.state.layouts[fragment], self.limits
             )
             reason = piece if isinstance(piece, str) else assembler.add(piece)
+            if not reason and refusal is not None and assembler.next_part == 1:
+                reason = refusal(piece.round, piece.hash)
             if reason:
                 log.warning("state from donor=%s refused reason=%r", donor[-8:], reason[:200])
                 return None

@@ -34,6 +34,10 @@ MAX_CANDIDATES = 3
 """Synchronizers tried for one (round, fragment) before giving up on the window."""
 MAX_MOVES = 4
 """`moved` redirects followed for one contribution (a window moves up the order only)."""
+MAX_PROBED = 16
+"""Candidates of an open run probed at once when the chain has not shown them reachable."""
+PROBE_S = 3.0
+"""Deadline of one reachability probe: what one unreachable candidate costs a round."""
 
 
 def with_unreachable(frame: bytes, unreachable: list[str], limits: wire.WireLimits) -> bytes:
@@ -78,10 +82,31 @@ class LearnerLink:
         return 2 * self.call_timeout_s(frame_bytes) + 30.0
 
     def candidates(self, round_id: int, fragment: int) -> list[str]:
-        """Failover order of synchronizers for (round, fragment) in this peer's view."""
-        return synchronizer_order(
-            self.run, round_id, fragment, synchronizer_candidates(self.members(), self.replicas.entitlement.may_synchronize)
-        )
+        """Failover order of synchronizers for (round, fragment) in this peer's view: in an
+        open run with committed rounds, only peers the canonical chain shows reachable."""
+        entitlement = self.replicas.entitlement
+        members = synchronizer_candidates(self.members(), entitlement.may_synchronize, entitlement.proven())
+        return synchronizer_order(self.run, round_id, fragment, members)
+
+    async def reachable_candidates(self, round_id: int, fragment: int) -> tuple[list[str], list[str]]:
+        """(candidates to try, in order; candidates skipped as unreachable).
+
+        In an open run, a candidate the chain has not shown reachable (any candidate before
+        the first committed round, when free identities with a heartbeat are candidates
+        too) is probed first, all at once, each within PROBE_S: an address nobody can
+        reach costs the round one probe, not a whole call timeout."""
+        order = self.candidates(round_id, fragment)
+        entitlement = self.replicas.entitlement
+        if entitlement.admission.synchronizers != "open":
+            return order[:MAX_CANDIDATES], []
+        proven = entitlement.proven() or frozenset()
+        head = order[:MAX_PROBED]
+        unproven = [p for p in head if p not in proven and p != self.transport.peer_id]
+        readings = await asyncio.gather(*(self.transport.read_clock(p, PROBE_S) for p in unproven))
+        dead = {p for p, reading in zip(unproven, readings, strict=True) if reading is None}
+        if dead:
+            log.info("skipped unreachable candidates round=%d fragment=%d count=%d", round_id, fragment, len(dead))
+        return [p for p in head if p not in dead][:MAX_CANDIDATES], [p for p in head if p in dead]
 
     async def contribute(self, fragment: int, target_round: int, frame: bytes) -> Outcome:
         """Send one CONTRIBUTION frame for `target_round`, bounded by `overall_timeout_s`."""
@@ -98,9 +123,10 @@ class LearnerLink:
             )
 
     async def _contribute(self, fragment: int, target_round: int, frame: bytes, started: float) -> Outcome:
-        pending = self.candidates(target_round, fragment)[:MAX_CANDIDATES]
+        pending, unreachable = await self.reachable_candidates(target_round, fragment)
+        if unreachable:
+            frame = with_unreachable(frame, unreachable, self.limits)
         tried: list[str] = []
-        unreachable: list[str] = []
         moves = 0
         while pending:
             candidate = pending.pop(0)

@@ -10,16 +10,21 @@ wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
 
 from p2pdiloco.protocol.membership import (
+    CLOCK_SLACK_S,
+    MAX_CLOCK_OFFSET_S,
     Heartbeat,
+    judge_members,
     learners,
-    live_members,
     members_key,
+    open_members,
     seal_heartbeat,
+    swarm_offset_s,
 )
 from p2pdiloco.transport.base import Transport, TransportError
 
@@ -53,6 +58,23 @@ class Membership:
         self.rejected: dict[str, str] = {}
         """Member subkey -> why its heartbeat is ignored."""
         self.leaving = False
+        self.offset_s = 0.0
+        """What this peer adds to its clock to agree with the swarm (`swarm_offset_s`):
+        a peer whose clock is off by tens of seconds still sees others live and signs
+        beats that others see live."""
+        self._verdicts: dict[tuple[str, bytes], Heartbeat | str] = {}
+        """Signature verdicts of the members records read (`open_members`)."""
+
+    def now(self) -> float:
+        """Swarm time: this peer's DHT clock corrected by the swarm's signed send times."""
+        return self.transport.now() + self.offset_s
+
+    def sealed_beat(self) -> tuple[bytes, float]:
+        """Our heartbeat signed at swarm time, with the DHT expiration it may have."""
+        sent_at = self.now()
+        live_s = 4 * self.heartbeat_s
+        beat = dataclasses.replace(self.own_heartbeat(), sent_at=sent_at, live_s=live_s)
+        return seal_heartbeat(self.transport.identity, self.run, beat), sent_at + live_s + CLOCK_SLACK_S
 
     def view(self) -> dict[str, Heartbeat]:
         """This peer's current view of the live membership (itself included until it leaves)."""
@@ -63,12 +85,23 @@ class Membership:
 
     async def beat(self) -> None:
         """Publish our heartbeat and refresh the view."""
-        now = self.transport.now()
         key = members_key(self.run)
-        sealed = seal_heartbeat(self.transport.identity, self.run, self.own_heartbeat())
-        await self.transport.store(key, self.transport.peer_id, sealed, now + 4 * self.heartbeat_s)
+        sealed, expiration = self.sealed_beat()
+        await self.transport.store(key, self.transport.peer_id, sealed, expiration)
         records = await self.transport.get(key)
-        live, rejected = live_members(self.run, records, self.transport.now(), self.config_hash)
+        self.refresh(records)
+
+    def refresh(self, records: dict[str, tuple[bytes, float]]) -> None:
+        """The live view from the members records read, at swarm time; the swarm offset is
+        re-estimated from the send times the others signed (this peer's own beat left out:
+        it would vote for our own clock twice)."""
+        local = self.transport.now()
+        cache = self._verdicts
+        opened, unsigned = open_members(self.run, records, local - MAX_CLOCK_OFFSET_S, cache)
+        self._verdicts = {k: cache[k] for k in ((s, r[0]) for s, r in records.items()) if k in cache}
+        self.offset_s = swarm_offset_s(opened, local, self.transport.peer_id)
+        live, refused = judge_members(opened, self.now(), self.config_hash)
+        rejected = {**unsigned, **refused}
         for subkey, reason in rejected.items():
             if subkey not in self.rejected:
                 log.warning("ignored member subkey=%s reason=%r", subkey[-8:], reason)

@@ -7,6 +7,15 @@ record's holders, its synchronizer or any live peer; decoded once, applied throu
 state download when this replica sits on a losing branch or is too far behind. Learners
 hear of each round it passed through `on_settled`, with the canonical record.
 
+No decision that forks is taken here from local timing alone (issue 28): an update nobody
+serves is never voided locally. The fetch rotates through every peer that may hold it;
+a replica that still cannot get it downloads a state at the chain's head instead; and
+only when that fails for `void_after_s` may this peer, as the round's synchronizer, re-run
+the round with a record that names the one it supersedes (`supersedable`): every peer then
+skips the original alike (`rounds.superseded_digests`, by signed times). The network is
+never waited on under a fragment's install lock, so a slow donor or holder never delays
+the synchronizer's own install.
+
 The parts it composes do the rest: `serving.UpdateServer` (hold and serve frames and
 state), `download.StateDownload` (verified state download), `audits.Audits` (audit,
 convict, verify notices) and `trust.entitlement.Entitlement` (who may synchronize).
@@ -29,7 +38,7 @@ import torch
 from p2pdiloco import wire
 from p2pdiloco.outer.fragment import FragmentState, outer_update
 from p2pdiloco.outer.step import tensor_norm
-from p2pdiloco.protocol.membership import Heartbeat, synchronizer_candidates
+from p2pdiloco.protocol.membership import Heartbeat, learners, synchronizer_candidates
 from p2pdiloco.protocol.rounds import RoundRecord, canonical_chain, records_of, rounds_key
 from p2pdiloco.roles.audits import Audits
 from p2pdiloco.roles.download import StateDownload
@@ -37,7 +46,7 @@ from p2pdiloco.roles.serving import UpdateServer
 from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.transport.base import Transport, TransportError, transfer_timeout_s
 from p2pdiloco.trust.admission import Admission
-from p2pdiloco.trust.audit import MISMATCH, Auditor, AuditResult
+from p2pdiloco.trust.audit import MISMATCH, OK, Auditor, AuditResult
 from p2pdiloco.trust.entitlement import Entitlement
 from p2pdiloco.wire import messages
 from p2pdiloco.wire.updates import Update, parse_update
@@ -64,6 +73,10 @@ def decoded_with_norm(update: Update) -> tuple[dict[str, torch.Tensor], float]:
 
 class ResultMismatch(ValueError):
     """An update whose result does not hash to what its round record signs."""
+
+
+class ReplicaMoved(ValueError):
+    """This replica is not (or no longer) at the update's parent: a local race, retried."""
 
 
 class ReplicaSync:
@@ -98,20 +111,33 @@ class ReplicaSync:
         split-view fault injection, which makes this peer commit a round alone)."""
         self.entitlement = Entitlement(run, admission or Admission(), transport.now)
         self.server = UpdateServer(transport, run, state, limits, worker)
+        self.server.synchronizers = lambda: synchronizer_candidates(
+            self.members(), self.entitlement.may_synchronize, self.entitlement.proven()
+        )
         self.downloads = StateDownload(transport, run, state, members, limits, worker, on_event)
         self.audits = Audits(
             transport, run, state, limits, worker, self.entitlement, self.downloads, on_event, auditor, audit_share
         )
+        self.audits.live_learners = lambda: learners(self.members())
         self.genesis = [state.current_hash(f) for f in range(state.num_fragments)]
         self.chains: list[dict[int, RoundRecord]] = [{} for _ in state.fragments]
         """The canonical chain of each fragment as last read from the DHT."""
+        self.entitlement.follow(self.chains)
         self.applied: list[dict[int, str]] = [{} for _ in state.fragments]
         """Digest of the update this replica applied for each round (chain bookkeeping)."""
         self.void: set[str] = set()
         """Digests of committed updates nobody could serve for `void_after_s`, or proven
         false, or that cannot be applied: skipped."""
         self._unfetchable_since: dict[str, float] = {}
+        """Digest -> when (monotonic) this replica first failed to get a committed update
+        by any means: only ever lets this peer re-run the round (`supersedable`)."""
+        self._fetch_cursor: dict[str, int] = {}
+        """Digest -> how many of the peers that may hold it were asked already (rotation)."""
         self._locks = [asyncio.Lock() for _ in state.fragments]
+        """Per fragment, held only to install (never across a network wait)."""
+        self._passes = [asyncio.Lock() for _ in state.fragments]
+        """Per fragment, held through one sync pass (its fetches and downloads), so two
+        passes do not fetch the same thing twice; installs do not wait on it."""
         self._fetched_bytes = 0
         self.on_settled: list[Callable[[int, int, RoundRecord], None]] = []
         """Called as `(fragment, round, record)` with the canonical record of each round
@@ -142,9 +168,41 @@ class ReplicaSync:
         """The canonical chain of `fragment` from the DHT records (bounded by the transport)."""
         raw = await self.transport.get(rounds_key(self.run, fragment))
         records = records_of(self.run, raw, fragment, self.entitlement.entitled).values()
-        chain = canonical_chain(self.run, records, self.genesis[fragment], frozenset(self.void))
+        chain = canonical_chain(
+            self.run, records, self.genesis[fragment], frozenset(self.void),
+            anchor=self.anchor(fragment), supersede_after_s=self.void_after_s,
+        )  # fmt: skip
         self.chains[fragment] = chain
         return chain
+
+    def anchor(self, fragment: int) -> tuple[int, str] | None:
+        """(last round this replica applied, its hash after it): where its chain may go on
+        even when every older record expired (`canonical_chain`)."""
+        round_id = self.state.round_of(fragment) - 1
+        if round_id < 0:
+            return None
+        hash_ = self.state.applied_hashes[fragment].get(round_id)
+        return None if hash_ is None else (round_id, hash_)
+
+    def supersedable(self, fragment: int, round_id: int) -> str:
+        """Digest of the canonical record of (round, fragment) that this peer, as the
+        round's synchronizer, may re-run in place of, or "".
+
+        Only a record whose update this replica has failed to get by any means (fetch
+        from every peer that may hold it, then state download) for `void_after_s`, while
+        still at that round, and whose own signed `closed_at` is that old by the DHT's
+        clock: the re-run's record (closed now) then passes `rounds.superseded_digests` on
+        every peer.
+        """
+        record = self.chains[fragment].get(round_id)
+        if record is None or self.state.round_of(fragment) != round_id:
+            return ""
+        since = self._unfetchable_since.get(record.digest, self.audits.unverified_since.get(record.digest))
+        if since is None or time.monotonic() - since < self.void_after_s:
+            return ""
+        if self.transport.now() < record.closed_at + self.void_after_s:
+            return ""
+        return record.digest
 
     def parent_hash(self, fragment: int, round_id: int) -> str | None:
         """The fragment's hash before round `round_id` on this replica (None if unknown)."""
@@ -193,8 +251,12 @@ class ReplicaSync:
     # --- following the chain ------------------------------------------------------------
 
     async def sync_fragment(self, fragment: int, chain: dict[int, RoundRecord] | None = None) -> bool:
-        """Bring `fragment` to the head of its canonical chain; True when there."""
-        async with self._locks[fragment]:
+        """Bring `fragment` to the head of its canonical chain; True when there.
+
+        One pass at a time per fragment; the network (records, updates, states) is waited
+        on outside the install lock, and every install checks again where the replica is.
+        """
+        async with self._passes[fragment]:
             if not self.rivals_visible(self.state.round_of(fragment)):
                 return False
             if chain is None:
@@ -211,30 +273,40 @@ class ReplicaSync:
             if head - current > MAX_CATCH_UP_ROUNDS or (current < head and current not in chain):
                 if not await self._download(fragment, chain):
                     return False
-            while (current := self.state.round_of(fragment)) < head:
+            while (current := self.state.round_of(fragment)) < head and current in chain:
                 if await self._apply_record(chain[current]):
                     continue
-                # An old update nobody holds any more (update stores are bounded by bytes,
-                # a `150m` peer keeps ~3): the state instead, verified by hash like any.
-                if not (chain[current].digest in self._unfetchable_since and head - current >= 2
-                        and await self._download(fragment, chain)):  # fmt: skip
-                    self._notify_settled(fragment, chain)
-                    return False
+                # Nobody served the update (stores are bounded by bytes, a `150m` peer keeps
+                # ~3; its holders may have died): if a peer says it is past the round, the
+                # state instead, verified by hash like any. Never a local void.
+                held = chain[current].digest in self.audits.unverified_since  # not past it by a state either
+                if not held and self._others_past(fragment, current) and await self._download(fragment, chain):
+                    if self.state.round_of(fragment) > current:
+                        continue
+                self._notify_settled(fragment, chain)
+                return False
             self._notify_settled(fragment, chain)
-            return True
+            return self.state.round_of(fragment) >= head
+
+    def _others_past(self, fragment: int, round_id: int) -> bool:
+        """Whether some live peer's heartbeat says it applied (round, fragment)."""
+        me = self.transport.peer_id
+        return any(
+            p != me and len(beat.rounds) > fragment and beat.rounds[fragment] > round_id
+            for p, beat in self.members().items()
+        )
 
     async def apply_committed(self, record: RoundRecord) -> bool:
         """Apply the committed round `record` (named in a synchronizer's reply: its update
         is usually held here already, pushed by the synchronizer before it committed)."""
         fragment = record.fragment
-        async with self._locks[fragment]:
-            if self.state.round_of(fragment) > record.round:
-                return self.state.applied_hashes[fragment].get(record.round) == record.hash
-            if self.state.round_of(fragment) == record.round and (
-                record.parent == self.parent_hash(fragment, record.round)
-            ):
-                self.chains[fragment].setdefault(record.round, record)
-                return await self._apply_record(record)
+        if self.state.round_of(fragment) > record.round:
+            return self.state.applied_hashes[fragment].get(record.round) == record.hash
+        if self.state.round_of(fragment) == record.round and (
+            record.parent == self.parent_hash(fragment, record.round)
+        ):
+            self.chains[fragment].setdefault(record.round, record)
+            return await self._apply_record(record)
         # behind, or the record is not on our branch: follow the DHT's canonical chain
         return await self.sync_fragment(fragment)
 
@@ -255,15 +327,28 @@ class ReplicaSync:
             if result.verdict == MISMATCH:
                 await self._convicted(record, result.reason)
                 return False
-        try:
-            await loop.run_in_executor(self.worker, self._apply, update, decoded, record.hash)
-        except ResultMismatch as exc:
-            # a lie of the synchronizer, or this replica left the chain unnoticed
-            self.on_event({"event": "diverged", "fragment": record.fragment, "round": record.round})
-            return self._refuse(record, str(exc))
-        except ValueError as exc:
-            return self._refuse(record, str(exc))
-        self.applied[record.fragment][record.round] = record.digest
+            if result.verdict != OK and self.audits.must_verify(record, norm):
+                self.audits.unverified(record, result.reason)
+                return False  # held: tried again next pass, re-run past void_after_s
+        if update.parent != record.parent:
+            return self._refuse(record, "update's parent is not its record's")
+        async with self._locks[record.fragment]:  # the network is behind us: install only
+            if self.state.round_of(record.fragment) != record.round:
+                # the replica moved meanwhile (its own commit, a download): nothing to do here
+                return self.state.applied_hashes[record.fragment].get(record.round) == record.hash
+            try:
+                await loop.run_in_executor(self.worker, self._apply, update, decoded, record.hash)
+            except ResultMismatch as exc:
+                # a lie of the synchronizer, or this replica left the chain unnoticed
+                self.on_event({"event": "diverged", "fragment": record.fragment, "round": record.round})
+                return self._refuse(record, str(exc))
+            except ReplicaMoved as exc:
+                # this replica's state, not the update's fault: retried, never voided
+                log.info("update not applied round=%d fragment=%d reason=%r", record.round, record.fragment, str(exc))
+                return False
+            except ValueError as exc:
+                return self._refuse(record, str(exc))
+            self.applied[record.fragment][record.round] = record.digest
         self.audits.recent_norms[record.fragment].append(norm)
         return True
 
@@ -281,12 +366,12 @@ class ReplicaSync:
         the hash this replica recorded when it reached the round, not hashed again.
         """
         if self.state.current_hash(update.fragment) != update.parent:
-            raise ValueError("update's parent is not this replica's state")
+            raise ReplicaMoved("update's parent is not this replica's state")
         advanced = outer_update(self.state.export_fragment(update.fragment), decoded, self.state.outer)
         if advanced.hash != signed_hash:
             raise ResultMismatch("update's result does not match its record's signed hash")
         if not self.state.install(advanced, update.parent):
-            raise ValueError("replica moved during the update")
+            raise ReplicaMoved("replica moved during the update")
 
     # --- audits ---------------------------------------------------------------------------
 
@@ -327,15 +412,38 @@ class ReplicaSync:
         for old in [r for r in notified if r < current - NOTIFY_ROUNDS]:
             del notified[old]
 
+    def _fetch_order(self, record: RoundRecord) -> list[str]:
+        """Every peer that may hold `record`'s update, likeliest first: its synchronizer,
+        its holders, live peers whose heartbeat says they applied the round (they kept the
+        frame they applied), then the other live peers."""
+        me, members = self.transport.peer_id, self.members()
+        live = synchronizer_candidates(members)
+        past = [
+            p for p in live
+            if len(members[p].rounds) > record.fragment and members[p].rounds[record.fragment] > record.round
+        ]  # fmt: skip
+        order = [record.synchronizer, *record.holders, *past, *live]
+        return list(dict.fromkeys(p for p in order if p != me))
+
     async def _fetch(self, record: RoundRecord) -> Update | None:
-        """The update frame a record names, from our store or a holder; verified by digest."""
+        """The update frame a record names, from our store or a peer; verified by digest.
+
+        One pass asks at most `MAX_FETCH_PEERS`; the next pass goes on where it stopped, so
+        over passes every peer that may hold it is asked (never the same six forever).
+        Failing is never a void: `sync_fragment` downloads a state instead, and the round
+        is re-run only by a record every peer can check (`supersedable`).
+        """
         kept = self.store.get(record.fragment, record.digest)
         if kept is not None:
+            # a frame held for its synchronizer is committed now: kept, out of the held
+            # quotas a `hold_update` flood (or the sender's next frames) would evict it from
+            self.keep(kept)
             return kept
         me = self.transport.peer_id
-        live = [p for p in synchronizer_candidates(self.members()) if p != me]
-        order = [record.synchronizer, *record.holders, *live]
-        peers = list(dict.fromkeys(p for p in order if p != me))[:MAX_FETCH_PEERS]
+        order = self._fetch_order(record)
+        cursor = self._fetch_cursor.get(record.digest, 0)
+        peers = [order[(cursor + i) % len(order)] for i in range(min(MAX_FETCH_PEERS, len(order)))]
+        self._fetch_cursor[record.digest] = cursor + len(peers)
         request = wire.encode_message(
             wire.Message(
                 kind=messages.UPDATE_REQUEST,
@@ -362,23 +470,32 @@ class ReplicaSync:
                 continue
             self.keep(update)
             self._unfetchable_since.pop(record.digest, None)
+            self._fetch_cursor.pop(record.digest, None)
             return update
-        first = self._unfetchable_since.setdefault(record.digest, time.monotonic())
+        self._unfetchable_since.setdefault(record.digest, time.monotonic())
         log.warning(
-            "cannot fetch update fragment=%d round=%d digest=%s from %d peers",
-            record.fragment, record.round, record.digest[:12], len(peers),
+            "cannot fetch update fragment=%d round=%d digest=%s from %d of %d peers",
+            record.fragment, record.round, record.digest[:12], len(peers), len(order),
         )
-        if time.monotonic() - first >= self.void_after_s:
-            # Nobody live serves it: nobody can have applied it; the round is re-run.
-            log.warning("round voided fragment=%d round=%d", record.fragment, record.round)
-            self.void.add(record.digest)
-            self.on_event({"event": "voided", "fragment": record.fragment, "round": record.round})
         return None
 
     async def _download(self, fragment: int, chain: dict[int, RoundRecord]) -> bool:
-        """The fragment's state from a donor on `chain`, verified by hash (`StateDownload`)."""
-        record = await self.downloads.download(fragment, chain)
-        if record is None:
+        """The fragment's state from a donor at the head of `chain`, verified by hash
+        (`StateDownload.fetch_verified`, no lock held), then installed under the install
+        lock if it still moves this replica forward or onto the chain; True if installed
+        (or the replica got there meanwhile)."""
+        got = await self.downloads.fetch_verified(fragment, chain)
+        if got is None:
             return False
-        self.applied[fragment] = {record.round: record.digest}
+        checked, record, donor = got
+        loop = asyncio.get_running_loop()
+        async with self._locks[fragment]:
+            on_chain = self._on_canonical_branch(fragment, chain)
+            if on_chain and self.state.round_of(fragment) >= checked.round:
+                return True  # got there meanwhile (its own commit, an applied update)
+            await loop.run_in_executor(self.worker, self.state.install_download, checked)
+            self.applied[fragment] = {record.round: record.digest}
+            for passed in (r for r in chain.values() if r.round < checked.round):
+                self._unfetchable_since.pop(passed.digest, None)  # got past it: not re-run
+        self.downloads.announce(checked, donor)
         return True

@@ -165,20 +165,25 @@ class GlobalState:
         self._tell(checked.fragment, checked.round - 1)
         return checked.hash
 
-    def import_verified(self, state: FragmentState) -> str | None:
-        """Import a downloaded fragment only if its contents hash to what it claims.
+    def verified_copy(self, state: FragmentState) -> FragmentState | None:
+        """A `checked_copy` of a downloaded fragment if its contents hash to what it
+        claims, else None (no lock: installs nothing; the download installs it later with
+        `install_download`, so no network wait ever sits between check and install).
 
-        The hash is taken of the checked copies before they are installed, so a donor
-        that names a canonical hash but sends other tensors never changes this replica,
-        and the copies checked are the copies installed. Returns the hash, or None.
-        """
+        The hash is taken of the checked copies, so a donor that names a canonical hash
+        but sends other tensors never changes this replica, and the copies checked are
+        the copies installed."""
         try:
             checked = self.checked_copy(state)
         except ValueError:
             return None
-        if checked.hash != state.hash:
-            return None
-        return self.install_download(checked)
+        return checked if checked.hash == state.hash else None
+
+    def import_verified(self, state: FragmentState) -> str | None:
+        """Import a downloaded fragment only if its contents hash to what it claims
+        (`verified_copy`, then `install_download`); the hash, or None."""
+        checked = self.verified_copy(state)
+        return None if checked is None else self.install_download(checked)
 
     def _take(self, state: FragmentState) -> None:
         """The fragment's tensors and round become `state`'s (under the lock)."""

@@ -217,7 +217,8 @@ class Synchronizer:
         Peers a learner reported unreachable are skipped, so failover past a dead
         synchronizer whose heartbeat has not expired yet still finds a window here.
         """
-        candidates = set(synchronizer_candidates(self.members(), self.replicas.entitlement.may_synchronize)) - unreachable
+        entitlement = self.replicas.entitlement
+        candidates = set(synchronizer_candidates(self.members(), entitlement.may_synchronize, entitlement.proven())) - unreachable
         candidates.add(self.peer_id)
         top = synchronizer_order(self.run, round_id, fragment, candidates)[0]
         return None if top == self.peer_id else top

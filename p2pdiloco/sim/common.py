@@ -153,6 +153,6 @@ class CanonicalChain:
         self.records[fragment][round_id] = RoundRecord(
             round_id, fragment, SYNCHRONIZER, new_hash,
             contributors=tuple((v.peer, float(v.weight), v.tokens) for v in kept.values()),
-            norms=tuple(v.merged_norm for v in kept.values()),
+            norms=tuple(v.history_norm for v in kept.values()),
         )  # fmt: skip
         return Committed(round_id, result.decoded, kept)

@@ -89,23 +89,33 @@ class Admission:
     def is_open(self) -> bool:
         return self.synchronizers == "open" and self.learners == "open"
 
-    def _certified(
-        self, run: str, peer: str, role: str, certificates: Sequence[object], now: float
-    ) -> str | None:
+    def certificate_expiry(
+        self, run: str, peer: str, role: str, certificates: Sequence[object]
+    ) -> float | str:
+        """The latest expiry among the certificates in `certificates` the operator sealed
+        for `peer` as `role` in `run`, or why none is (a string). Checks the signatures:
+        callers that judge often cache this by (peer, certificates)."""
         reason = f"no {role} certificate"
         if not isinstance(certificates, list | tuple):
             return reason
+        latest: float | None = None
         for raw in certificates[:MAX_CERTIFICATES]:
             cert = read_certificate(raw, self.operator, run)
             if isinstance(cert, str):
                 reason = cert
             elif cert.peer != peer or cert.role != role:
                 reason = f"certificate is for {cert.peer[-8:]} as {cert.role}"
-            elif cert.expires_at < now:
-                reason = "certificate expired"
             else:
-                return None
-        return reason
+                latest = cert.expires_at if latest is None else max(latest, cert.expires_at)
+        return reason if latest is None else latest
+
+    def _certified(
+        self, run: str, peer: str, role: str, certificates: Sequence[object], now: float
+    ) -> str | None:
+        expiry = self.certificate_expiry(run, peer, role, certificates)
+        if isinstance(expiry, str):
+            return expiry
+        return "certificate expired" if expiry < now else None
 
     def synchronizer_refusal(
         self, run: str, peer: str, certificates: Sequence[object], now: float

@@ -24,7 +24,7 @@ from p2pdiloco.config import RunConfig
 from p2pdiloco.identity import Identity, SignedKind, is_peer_id
 from p2pdiloco.outer.fragment import FragmentState, outer_update
 from p2pdiloco.outer.screening import Candidate, ScreeningRules
-from p2pdiloco.protocol.merge import history_from, max_tokens_per_step, merge_round
+from p2pdiloco.protocol.merge import history_from, history_of, max_tokens_per_step, merge_round
 from p2pdiloco.protocol.rounds import RoundRecord
 from p2pdiloco.wire.contributions import CONTRIBUTIONS, contribution_digest, open_contribution
 
@@ -78,6 +78,12 @@ def audit_round(
     limits: wire.WireLimits,
 ) -> AuditResult:
     """Recompute `record`'s merge from `contributions` on `snapshot` (the parent state)."""
+    if record.history_from < 0 and history_of(chain, record.round, rules.history_rounds)[1] >= 0:
+        # "no history" lifts the clip to the window's or the parameters' bound: a record
+        # may say so only where the chain lacks those rounds (issue 28, item 7). Not a
+        # proof (the synchronizer may have read a partial chain): an out-of-line update
+        # that cannot be verified is held, not applied.
+        return AuditResult(UNVERIFIABLE, "the record claims no history but the chain holds it")
     if snapshot.hash != record.parent or snapshot.round != record.round:
         return AuditResult(UNVERIFIABLE, "the state at hand is not the round's parent")
     history = history_from(chain, record.round, record.history_from, rules.history_rounds)
@@ -114,8 +120,8 @@ def audit_round(
     expected = tuple((v.peer, float(v.weight), v.tokens) for v in kept)
     if expected != tuple(record.contributors):
         return AuditResult(MISMATCH, "the merged contributors or their weights differ from the record's")
-    if tuple(v.merged_norm for v in kept) != tuple(record.norms):
-        return AuditResult(MISMATCH, "the merged norms differ from the record's")
+    if tuple(v.history_norm for v in kept) != tuple(record.norms):
+        return AuditResult(MISMATCH, "the listed norms differ from the record's")
     digest_of = {c.peer: d for c, d in zip(candidates, listed, strict=True)}
     if sorted(digest_of[p] for p in result.screening.refused) != sorted(record.refused):
         return AuditResult(MISMATCH, "the refused contributions differ from the record's")

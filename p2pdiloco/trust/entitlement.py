@@ -1,14 +1,18 @@
 """Who may synchronize and learn in a run, as one peer sees it now: the run's admission
 (operator certificates) less the synchronizers this peer proved to have published a false
-merge."""
+merge, and, in an open run, only peers the canonical chain shows reachable."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from p2pdiloco.protocol.membership import Heartbeat
+from p2pdiloco.protocol.membership import CLOCK_SLACK_S, Heartbeat
 from p2pdiloco.protocol.rounds import RoundRecord
 from p2pdiloco.trust.admission import Admission
+from p2pdiloco.trust.record_rules import record_time_refusal
+
+MAX_VERDICTS = 4096
+"""Certificate verdicts remembered (one per peer and certificate set; then start over)."""
 
 
 class Entitlement:
@@ -22,6 +26,17 @@ class Entitlement:
         """Synchronizers proven to have published a false merge, with the round of the
         first proven lie: not elected again, and none of their records from then on count
         (earlier ones were applied and checked like any other)."""
+        self._chains: Sequence[dict[int, RoundRecord]] = ()
+        self._proven_key: tuple = ()
+        self._proven: frozenset[str] = frozenset()
+        self._verdicts: dict[tuple[str, tuple[bytes, ...]], float | None] = {}
+        """(peer, certificates) -> expiry of its synchronizer certificate (None: refused),
+        so an election step compares two floats instead of checking signatures."""
+
+    def follow(self, chains: Sequence[dict[int, RoundRecord]]) -> None:
+        """Judge with the canonical chains in `chains` (one dict per fragment, kept current
+        by the replica): who an open run elects, and which close times a record may sign."""
+        self._chains = chains
 
     def ban(self, synchronizer: str, round_id: int) -> None:
         """A false merge of `synchronizer` at `round_id` was proven."""
@@ -31,7 +46,33 @@ class Entitlement:
         """Whether the run entitles this live peer to be elected synchronizer."""
         if beat.peer_id in self.banned:
             return False
-        return self.admission.synchronizer_refusal(self.run, beat.peer_id, beat.certificates, self.now()) is None
+        if self.admission.synchronizers == "open":
+            return True
+        expires_at = self._certificate_expiry(beat.peer_id, beat.certificates)
+        return expires_at is not None and expires_at >= self.now()
+
+    def proven(self) -> frozenset[str] | None:
+        """In an open run, the peers the canonical chain shows reachable: the synchronizer
+        and contributors of every canonical record this peer holds (records live an hour:
+        the last hour's), None in a certified run, where the certificates decide, or
+        before any record. Every peer reads the same signed records, so every peer elects
+        from the same set; the whole hour, not the last few rounds, so that peers whose
+        reads lag a round do not disagree on who just aged out."""
+        if self.admission.synchronizers != "open":
+            return None
+        key = tuple((id(chain), len(chain), max(chain, default=-1)) for chain in self._chains)
+        if key != self._proven_key:
+            self._proven_key, self._proven = key, self._proven_in(self._chains)
+        return self._proven or None
+
+    @staticmethod
+    def _proven_in(chains: Sequence[dict[int, RoundRecord]]) -> frozenset[str]:
+        peers: set[str] = set()
+        for chain in chains:
+            for record in chain.values():
+                peers.add(record.synchronizer)
+                peers.update(c[0] for c in record.contributors)
+        return frozenset(peers)
 
     def learner_refusal(self, peer: str, certificates: tuple[bytes, ...]) -> str | None:
         """Why the run does not admit `peer`'s contributions (None: it does)."""
@@ -41,10 +82,35 @@ class Entitlement:
         return f"learner not admitted: {refusal}" if refusal else None
 
     def entitled(self, record: RoundRecord) -> bool:
-        """Whether the run entitled the record's synchronizer to commit it."""
+        """Whether the run entitled the record's synchronizer to commit it: a certificate
+        valid at the close the record signs, a close time plausible now
+        (`record_time_refusal`) and not before the canonical record of the round before."""
         if record.round >= self.banned.get(record.synchronizer, record.round + 1):
             return False
-        refusal = self.admission.synchronizer_refusal(
-            self.run, record.synchronizer, record.certificates, record.closed_at
-        )
-        return refusal is None
+        if record_time_refusal(record.closed_at, self.now()) is not None:
+            return False
+        if self._closes_before_its_parent(record):
+            return False
+        if self.admission.synchronizers == "open":
+            return True
+        expires_at = self._certificate_expiry(record.synchronizer, record.certificates)
+        return expires_at is not None and expires_at >= record.closed_at
+
+    def _closes_before_its_parent(self, record: RoundRecord) -> bool:
+        """A record that signs a close before the canonical close of the round it follows
+        was backdated (rounds close in order); clocks may differ by CLOCK_SLACK_S."""
+        if not 0 <= record.fragment < len(self._chains):
+            return False
+        parent = self._chains[record.fragment].get(record.round - 1)
+        return parent is not None and record.closed_at < parent.closed_at - CLOCK_SLACK_S
+
+    def _certificate_expiry(self, peer: str, certificates: tuple[bytes, ...]) -> float | None:
+        """When `peer`'s synchronizer certificate among `certificates` expires (None: it
+        shows none the operator signed); signatures checked once per (peer, certificates)."""
+        key = (peer, tuple(certificates))
+        if key not in self._verdicts:
+            if len(self._verdicts) >= MAX_VERDICTS:
+                self._verdicts.clear()
+            expiry = self.admission.certificate_expiry(self.run, peer, "synchronizer", certificates)
+            self._verdicts[key] = None if isinstance(expiry, str) else expiry
+        return self._verdicts[key]

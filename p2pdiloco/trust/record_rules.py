@@ -19,15 +19,22 @@ import math
 from dataclasses import dataclass
 
 from p2pdiloco.config import MAX_FRAGMENTS
-from p2pdiloco.protocol.membership import members_key, open_heartbeat
+from p2pdiloco.protocol.membership import (
+    CLOCK_SLACK_S,
+    heartbeat_expiry_refusal,
+    members_key,
+    open_heartbeat,
+)
 from p2pdiloco.protocol.rounds import open_record, record_subkey, rounds_key
 from p2pdiloco.trust.admission import Admission
 from p2pdiloco.trust.audit import NOTICE_TTL_S, notices_key, open_notice
 
 HEARTBEAT_MAX_TTL_S = 300.0
-"""No heartbeat lives longer (a peer beats every few seconds and expires after 4 beats)."""
+"""No heartbeat signs a longer life (a peer beats every few seconds and is gone after 4
+beats); the DHT keeps it CLOCK_SLACK_S longer at most."""
 RECORD_MAX_TTL_S = 3600.0 + 300.0
-"""No round record lives longer (committed records are kept an hour)."""
+"""No round record lives longer (committed records are kept an hour), counted from now
+and from the close time it signs."""
 MAX_SUBKEY_CHARS = 128
 
 
@@ -52,10 +59,7 @@ class RunRecordRules:
         if not isinstance(expiration, float | int) or not math.isfinite(expiration):
             return "expiration is not a finite time"
         if key == members_key(self.run):
-            if expiration > now + HEARTBEAT_MAX_TTL_S:
-                return "heartbeat expires too far ahead"
-            beat = open_heartbeat(self.run, subkey, value)
-            return beat if isinstance(beat, str) else None
+            return self._check_heartbeat(subkey, value, expiration, now)
         if key == notices_key(self.run):
             if expiration > now + NOTICE_TTL_S + 300:
                 return "fraud notice expires too far ahead"
@@ -66,6 +70,22 @@ class RunRecordRules:
                 return self._check_record(fragment, subkey, value, expiration, now)
         return "not a key of this run"
 
+    def _check_heartbeat(self, subkey: str, value: object, expiration: float, now: float) -> str | None:
+        """A heartbeat's signature, then its expiry: against its own signed send time and
+        life (the same verdict on every clock: this is what defeats a replay), and against
+        `now` only loosely (a bound on how long a value occupies the DHT). The loose bound
+        keeps one crafted value near the limit from making a peer whose clock is a little
+        behind refuse it, which would drop the whole members dictionary from an answer
+        (hivemind validates a dictionary as one)."""
+        if expiration > now + HEARTBEAT_MAX_TTL_S + 2 * CLOCK_SLACK_S:
+            return "heartbeat expires too far ahead"
+        beat = open_heartbeat(self.run, subkey, value)
+        if isinstance(beat, str):
+            return beat
+        if beat.live_s > HEARTBEAT_MAX_TTL_S:
+            return "heartbeat signs too long a life"
+        return heartbeat_expiry_refusal(beat, expiration)
+
     def _check_record(self, fragment: int, subkey: str, value: object, expiration: float, now: float) -> str | None:
         if expiration > now + RECORD_MAX_TTL_S:
             return "round record expires too far ahead"
@@ -74,10 +94,29 @@ class RunRecordRules:
             return "not a round record signed by its synchronizer"
         if record.fragment != fragment or subkey != record_subkey(record.round, record.synchronizer):
             return "round record stored under another fragment or subkey"
-        refusal = self.admission.synchronizer_refusal(
+        if expiration > record.closed_at + RECORD_MAX_TTL_S:
+            return "round record expires too long after its close"
+        refusal = record_time_refusal(record.closed_at, now) or self.admission.synchronizer_refusal(
             self.run, record.synchronizer, record.certificates, record.closed_at
         )
         return f"synchronizer not entitled: {refusal}" if refusal else None
+
+
+def record_time_refusal(closed_at: float, now: float) -> str | None:
+    """Why a round record's signed close time cannot be true when judged at `now`, or None.
+
+    A certificate is checked at the close time the record signs (a committed record stays
+    valid to follow for the hour it lives, after its certificate ran out). What keeps a
+    leaked or expired key from backdating a new record to a time its certificate was
+    valid: the close may not lie in the future, nor further back than any record lives
+    (so the certificate must still have been valid RECORD_MAX_TTL_S before now), a record
+    is kept no longer after its signed close than any record lives, and a record may not
+    close before the canonical record it follows (`Entitlement.entitled`)."""
+    if closed_at > now + CLOCK_SLACK_S:
+        return "record closes in the future"
+    if closed_at < now - RECORD_MAX_TTL_S:
+        return "record closed longer ago than any record lives"
+    return None
 
 
 def bootstrap_rules(run: str, num_fragments: int | None, admission: Admission) -> RunRecordRules:

@@ -267,6 +267,89 @@ class Adversary:
                 refused += 1
         return {"requests": count, "refused": refused}
 
+    async def slow_bodies(self, duration_s: float | None = None, identities: int = 8) -> dict:
+        """Slot holding (issue 28, item 2): `identities` fresh daemons beside ours open, to
+        every victim, as many `contribute` / `get_update` / `hold_update` streams as a
+        caller may hold, declare a body and trickle it a byte at a time, re-opening what
+        the victims drop, for `duration_s` (default $SLOW_BODIES_S or 60; see
+        tests/net/slow_bodies.py)."""
+        from slow_bodies import attack_duration_s, trickle_attack  # noqa: PLC0415 - beside this script
+
+        duration_s = attack_duration_s() if duration_s is None else duration_s
+        return await trickle_attack(self.transport, self.run, self.victims, duration_s, identities)
+
+    async def _victims_beats(self) -> dict[str, Heartbeat]:
+        """The victims' heartbeats as the DHT holds them now (signed, as they wrote them)."""
+        records = await self.transport.get(members_key(self.run))
+        beats = {}
+        for victim in self.victims:
+            if victim in records:
+                beat = open_heartbeat(self.run, victim, records[victim][0])
+                if isinstance(beat, Heartbeat):
+                    beats[victim] = beat
+        return beats
+
+    async def sybil_heartbeats(self, count: int = 30) -> dict:
+        """Issue 28, item 12 and "measured on main": `count` free, valid identities beat as
+        learners with the run's config hash (read from a victim's beat) and a dialable-
+        looking address nobody answers at, so that an election over live learners picks
+        them and learners fail over through them. Each lives as long as the rules allow."""
+        beats = await self._victims_beats()
+        config_hash = next((b.config_hash for b in beats.values() if b.config_hash), "")
+        stored = 0
+        for i in range(count):
+            sybil = Identity.generate()
+            sent_at = self.transport.now()
+            beat = Heartbeat(
+                peer_id=sybil.peer_id, status="training", config_hash=config_hash,
+                maddrs=(f"/ip4/10.255.{i // 250}.{i % 250 + 1}/tcp/4001/p2p/{sybil.peer_id}",),
+                sent_at=sent_at, live_s=240.0,
+            )  # fmt: skip
+            sealed = sybil.seal(HEARTBEATS.domain(self.run), beat.encode())
+            stored += bool(
+                await self.transport.store(members_key(self.run), sybil.peer_id, sealed, sent_at + 299)
+            )
+        return {"stored": stored, "config_hash": config_hash[:12]}
+
+    async def replayed_beats(self, wait_s: float = 10.0) -> dict:
+        """Issue 28, item 1: capture each victim's signed beat, wait until newer ones were
+        written, then replay the captured ones (a `leaving` one if seen) with expiration
+        now+299: before the fix, the latest expiration won for five minutes."""
+        captured = await self._victims_beats()
+        records = await self.transport.get(members_key(self.run))
+        sealed = {v: records[v][0] for v in captured if v in records}
+        await asyncio.sleep(wait_s)  # the victims beat again meanwhile: ours is old now
+        stored = []
+        for victim, value in sealed.items():
+            stored.append(
+                await self.transport.store(members_key(self.run), victim, value, self.transport.now() + 299)
+            )
+        return {"replayed": len(sealed), "stored": stored}
+
+    async def notice_flood(
+        self, duration_s: float | None = None, identities: int = 100, live_share: float = 0.5, every_s: float = 5.0
+    ) -> dict:
+        """Issue 28, item 11: `identities` free, valid identities (`live_share` of them also
+        beating as learners with the run's config hash) each sign a fraud notice against
+        every recent canonical record, and every new one, for `duration_s` (default
+        $FLOOD_S or 60; tests/net/floods.py). Before the fix every peer verified every new
+        notice: a fragment downloaded from each notifier."""
+        from floods import flood_duration_s, notice_flood  # noqa: PLC0415 - beside this script
+
+        duration_s = flood_duration_s() if duration_s is None else duration_s
+        return await notice_flood(self.transport, self.run, self.victims, duration_s, identities, live_share, every_s)
+
+    async def hold_flood(self, duration_s: float | None = None, identities: int = 8, every_s: float = 2.0) -> dict:
+        """Issue 28, item 10: `identities` fresh daemons push `hold_update` frames to every
+        victim (a genuine update re-labelled for the rounds a holder admits, naming the
+        pusher as synchronizer; far rounds; junk) for `duration_s` (default $FLOOD_S or
+        60), then ask the victims for the genuine frames of the last rounds
+        (tests/net/floods.py)."""
+        from floods import flood_duration_s, hold_flood  # noqa: PLC0415 - beside this script
+
+        duration_s = flood_duration_s() if duration_s is None else duration_s
+        return await hold_flood(self.transport, self.run, self.victims, duration_s, identities, every_s)
+
 
 def _rewrite_header(frame: bytes, edit) -> bytes:
     """`frame` with its msgpack header changed by `edit`, written by hand (our encoder

@@ -1,0 +1,77 @@
+"""Sybil heartbeats and replayed heartbeats do not halt an open run (issue 28, items 1 and
+12, and its "measured on main": 30 valid Sybil heartbeats closed 0 rounds in 90 s).
+
+A 3-learner run without a manifest (open admission) trains; a stranger with a stock
+hivemind DHT client publishes 30 heartbeats of free, valid Ed25519 identities with the
+run's config hash and unreachable addresses, and replays the honest peers' captured old
+heartbeats with a far expiration. The run keeps closing rounds, no Sybil synchronizes or
+contributes, and the replicas stay identical.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from .harness import start_peer_process
+from .swarm_util import Events, applied, start_bootstrap, start_learners, wait_all
+
+pytestmark = pytest.mark.timeout(900)
+
+ROUND_WAIT_S = 300
+ADVERSARY = Path(__file__).resolve().parent / "adversary.py"
+
+
+def latest_round(log: Events) -> int:
+    return max((r for (_, r) in log.hashes()), default=-1)
+
+
+def test_sybil_heartbeats_and_replayed_beats_do_not_halt_an_open_run() -> None:
+    boot = start_bootstrap()
+    peers = start_learners(3, boot.maddrs, sets=["sync.min_quorum=2"], flags=["--max-rounds", "500"])
+    logs = [Events(p) for p in peers]
+    honest = sorted(p.peer_id for p in peers)
+    wait_all(logs, applied(1), ROUND_WAIT_S)
+
+    attacker = start_peer_process(
+        [
+            str(ADVERSARY), "--run", "local", "--initial-peer", *boot.maddrs[:1],
+            "--victims", ",".join(honest), "--attacks", "sybil_heartbeats,replayed_beats",
+        ],
+        ready_timeout_s=180,
+    )  # fmt: skip
+    results = {}
+    while True:
+        event = attacker.next_event(600)
+        if event.get("done"):
+            break
+        results[event["attack"]] = event
+    for name, result in results.items():
+        assert "error" not in result, (name, result)
+    assert results["sybil_heartbeats"]["stored"] >= 30 and results["sybil_heartbeats"]["config_hash"]
+    assert results["replayed_beats"]["replayed"] >= 1
+
+    # the run goes on: three more rounds after the attacks, on every peer, in bounded time
+    after = max(latest_round(log) for log in logs)
+    started = time.monotonic()
+    wait_all(logs, applied(after + 3), ROUND_WAIT_S)
+    took_s = time.monotonic() - started
+    for log in logs:
+        log.drain(quiet_s=1.0, max_s=5.0)
+    assert all(p.popen.poll() is None for p in peers)
+    tables = [log.hashes() for log in logs]
+    for key in set.intersection(*(set(t) for t in tables)):
+        assert len({t[key] for t in tables}) == 1, key
+    closed = [e for log in logs for e in log.of("round_closed") if e["round"] > after]
+    assert closed
+    # only honest peers closed rounds (these are their own logs) and contributed to them
+    contributors = set().union(*(e["contributors"] for e in closed))
+    assert len(contributors) >= 2 and contributors <= set(honest)
+    assert took_s < ROUND_WAIT_S
+    attacker.stop()
+    for peer in peers:
+        peer.request_stop(signal.SIGTERM)
+    assert [peer.wait_exit(60) for peer in peers] == [0] * len(peers)

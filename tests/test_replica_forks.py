@@ -1,0 +1,282 @@
+"""Fork safety of the replica (issue 28, items 4 and 8), in process on the memory transport.
+
+Every decision that forks (void, chain start, donor choice) is computed the same by every
+peer from signed data, never from local timing alone:
+
+- an update whose synchronizer and holders died is fetched from the peers that applied
+  it (the fetch rotates through every peer that may hold it), never voided locally;
+- a lagging peer whose update was evicted everywhere downloads the state at the head;
+- a round nobody can serve is re-run by a record naming the one it supersedes, which
+  every peer then follows alike;
+- a stale donor cannot roll a joiner back, and a slow donor never holds the install lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from p2pdiloco import compress, wire
+from p2pdiloco.config import OuterConfig
+from p2pdiloco.outer.fragment import outer_update
+from p2pdiloco.outer.step import tensor_norm
+from p2pdiloco.protocol.membership import Heartbeat
+from p2pdiloco.protocol.rounds import RoundRecord, record_subkey, rounds_key, signed_record
+from p2pdiloco.roles.replica import ReplicaSync
+from p2pdiloco.roles.state import GlobalState
+from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
+from p2pdiloco.wire.updates import Update, new_update
+
+RUN = "forks"
+OUTER = OuterConfig()
+LIMITS = wire.WireLimits()
+TIMEOUT_S = 30.0
+CODEC = compress.make_codec("fp32")
+
+
+def fresh_state() -> GlobalState:
+    return GlobalState({"w": torch.zeros(4, 4), "b": torch.zeros(4)}, [["w", "b"]], OUTER)
+
+
+class Peer:
+    """One replica (state + ReplicaSync) on the memory network."""
+
+    def __init__(self, swarm: Swarm, void_after_s: float) -> None:
+        self.swarm = swarm
+        self.transport = MemoryTransport(swarm.network)
+        self.peer_id = self.transport.peer_id
+        self.state = fresh_state()
+        self.replicas = ReplicaSync(
+            self.transport, RUN, self.state, self.members, LIMITS, swarm.worker, void_after_s=void_after_s
+        )
+
+    def members(self) -> dict[str, Heartbeat]:
+        """Heartbeats of the live peers, with their current rounds (as they publish them)."""
+        return {
+            p: Heartbeat(peer_id=p, status="training", rounds=tuple(peer.state.rounds))
+            for p, peer in self.swarm.peers.items()
+            if p not in self.swarm.dead
+        }
+
+    def hash(self) -> str:
+        return self.state.current_hash(0)
+
+    def commit(self, scale: float, holders: tuple[str, ...] = (), supersedes: str = "") -> tuple[RoundRecord, Update]:
+        """Commit the next round as its synchronizer: the update kept here, the signed
+        record stored in the DHT (installed by `install_own` by the caller)."""
+        snapshot = self.state.export_fragment(0)
+        grad = {"w": torch.full((4, 4), scale), "b": torch.full((4,), -scale)}
+        encoded = {n: CODEC.encode(t) for n, t in grad.items()}
+        decoded = {n: CODEC.decode(e) for n, e in encoded.items()}
+        advanced = outer_update(snapshot, decoded, OUTER)
+        update = new_update(
+            RUN, snapshot.round, 0, self.peer_id, snapshot.hash, advanced.hash, [(self.peer_id, 1.0, 64)], encoded
+        )
+        record = RoundRecord(
+            round=snapshot.round, fragment=0, synchronizer=self.peer_id, hash=advanced.hash, parent=snapshot.hash,
+            digest=update.digest, holders=holders, contributors=update.contributors,
+            closed_at=self.transport.now(), supersedes=supersedes,
+        )
+        record = signed_record(self.transport.identity, RUN, record)
+        self.swarm.network._store(
+            rounds_key(RUN, 0), record_subkey(record.round, self.peer_id), record.sealed, self.transport.now() + 3600
+        )
+        self._advanced = (advanced, tensor_norm(decoded))
+        return record, update
+
+    async def install(self, record: RoundRecord, update: Update) -> None:
+        advanced, norm = self._advanced
+        assert await self.replicas.install_own(record, update, advanced, norm)
+
+
+class Swarm:
+    def __init__(self, count: int, void_after_s: float = 0.0) -> None:
+        self.network = MemoryNetwork()
+        self.worker = ThreadPoolExecutor(1)
+        self.dead: set[str] = set()
+        peers = [Peer(self, void_after_s) for _ in range(count)]
+        self.peers = {p.peer_id: p for p in peers}
+        self.by_id = sorted(peers, key=lambda p: p.peer_id)
+        """Peers in peer-id order: the order a fetch asks live peers in."""
+
+    async def start(self) -> None:
+        for peer in self.peers.values():
+            await peer.transport.start()
+            await peer.replicas.start()
+
+    def kill(self, *peers: Peer) -> None:
+        for peer in peers:
+            self.dead.add(peer.peer_id)
+            self.network.kill(peer.peer_id)
+
+    def live(self) -> list[Peer]:
+        return [p for p in self.by_id if p.peer_id not in self.dead]
+
+
+def scenario(count: int, body: Callable[[Swarm], Awaitable[None]], void_after_s: float = 0.0) -> None:
+    async def main() -> None:
+        swarm = Swarm(count, void_after_s)
+        try:
+            await swarm.start()
+            await asyncio.wait_for(body(swarm), TIMEOUT_S)
+        finally:
+            swarm.worker.shutdown(wait=True, cancel_futures=True)
+
+    asyncio.run(main())
+
+
+async def sync_all(peers: list[Peer], passes: int = 4) -> None:
+    """A few sync passes of every peer (what the heartbeat loop does, minus the waiting)."""
+    for _ in range(passes):
+        for peer in peers:
+            await peer.replicas.sync_fragment(0)
+
+
+# --- item 4: no local, permanent void ---------------------------------------------------
+
+
+def test_peers_fetch_from_those_that_applied_when_synchronizer_and_holder_die() -> None:
+    """Synchronizer and its only holder die after 2 of 8 peers fetched: the other six get
+    the update from those two (fetch rotation), nobody voids it: one branch."""
+
+    async def body(swarm: Swarm) -> None:
+        peers = swarm.by_id
+        # the two that fetched sort last: a fetch that asks the same first six never finds them
+        synchronizer, holder, fetchers = peers[0], peers[1], peers[-2:]
+        record, update = synchronizer.commit(1.0, holders=(holder.peer_id,))
+        await synchronizer.install(record, update)
+        holder.replicas.keep(update)
+        for peer in fetchers:
+            assert await peer.replicas.sync_fragment(0)
+        swarm.kill(synchronizer, holder)
+        await sync_all(swarm.live())
+        hashes = {p.hash() for p in swarm.live()}
+        assert hashes == {record.hash}, "the swarm split into branches"
+        assert all(not p.replicas.void for p in swarm.live())
+
+    scenario(12, body)
+
+
+def test_a_lagging_peer_whose_update_was_evicted_everywhere_downloads_the_state() -> None:
+    """Its update is no longer held by anyone, but peers are past the round: it catches up
+    by a verified state download, and never voids a good record."""
+
+    async def body(swarm: Swarm) -> None:
+        synchronizer, *others = swarm.by_id
+        lagging = others[-1]
+        for scale in (1.0, 2.0, 3.0):
+            record, update = synchronizer.commit(scale)
+            await synchronizer.install(record, update)
+            await sync_all(others, passes=1)
+        # one more round the lagging peer misses, then every update frame is evicted
+        record, update = synchronizer.commit(4.0)
+        await synchronizer.install(record, update)
+        await sync_all(others[:-1], passes=1)
+        for peer in swarm.peers.values():
+            peer.replicas.server.store.__init__()  # evicted (stores are bounded by bytes)
+        assert lagging.state.round_of(0) == 3
+        await sync_all([lagging], passes=2)
+        assert lagging.state.round_of(0) == 4 and lagging.hash() == record.hash
+        assert not lagging.replicas.void
+
+    scenario(4, body)
+
+
+def test_a_round_nobody_can_serve_is_re_run_by_a_superseding_record_every_peer_follows() -> None:
+    """The synchronizer and its holder die before anyone fetched: after `void_after_s` the
+    next synchronizer re-runs the round with a record naming the lost one; every peer
+    follows it (signed data), including the replicas that had applied the lost update."""
+
+    async def body(swarm: Swarm) -> None:
+        synchronizer, holder, rerunner, *_rest = swarm.by_id
+        lost, update = synchronizer.commit(1.0, holders=(holder.peer_id,))
+        await synchronizer.install(lost, update)
+        holder.replicas.keep(update)
+        swarm.kill(synchronizer, holder)
+        await sync_all(swarm.live(), passes=1)
+        assert {p.state.round_of(0) for p in swarm.live()} == {0}  # nobody could get it
+        assert all(not p.replicas.void for p in swarm.live())  # and nobody voided it
+        assert rerunner.replicas.supersedable(0, 0) == lost.digest
+        rerun, again = rerunner.commit(2.0, supersedes=lost.digest)
+        await rerunner.install(rerun, again)
+        await sync_all(swarm.live())
+        assert {p.hash() for p in swarm.live()} == {rerun.hash}
+        for peer in swarm.live():
+            assert (await peer.replicas.read_chain(0))[0].digest == rerun.digest
+        # the synchronizer had applied the lost update: back on the network, it repairs to
+        # the re-run (a state download), so there is one branch, not two
+        assert synchronizer.hash() == lost.hash
+        swarm.dead.discard(synchronizer.peer_id)
+        swarm.network._attach(synchronizer.transport)
+        assert await synchronizer.replicas.sync_fragment(0)
+        assert synchronizer.hash() == rerun.hash
+
+    scenario(5, body, void_after_s=0.0)
+
+
+def test_no_re_run_while_the_lost_record_is_younger_than_void_after_s_by_signed_time() -> None:
+    async def body(swarm: Swarm) -> None:
+        synchronizer, other = swarm.by_id
+        lost, update = synchronizer.commit(1.0)
+        await synchronizer.install(lost, update)
+        swarm.kill(synchronizer)
+        await sync_all([other], passes=1)
+        assert other.replicas.supersedable(0, 0) == ""  # an hour to wait, by signed times
+
+    scenario(2, body, void_after_s=3600.0)
+
+
+# --- item 8: donors ---------------------------------------------------------------------
+
+
+def test_a_stale_donor_serving_a_valid_old_state_is_not_accepted_when_a_newer_head_exists() -> None:
+    async def body(swarm: Swarm) -> None:
+        synchronizer, stale, joiner = swarm.by_id
+        for scale in (1.0, 2.0):
+            record, update = synchronizer.commit(scale)
+            await synchronizer.install(record, update)
+            await sync_all([stale], passes=1)
+        for scale in (3.0, 4.0, 5.0):
+            record, update = synchronizer.commit(scale)
+            await synchronizer.install(record, update)
+        head = record
+        swarm.kill(synchronizer)  # only the stale donor is left, and it lies about its round
+        real_members = joiner.members
+
+        def lying_members() -> dict[str, Heartbeat]:
+            beats = real_members()
+            beats[stale.peer_id] = Heartbeat(peer_id=stale.peer_id, status="training", rounds=(5,))
+            return beats
+
+        joiner.replicas.downloads.members = lying_members
+        chain = await joiner.replicas.read_chain(0)
+        assert max(chain) == head.round and stale.state.round_of(0) == 2
+        assert await joiner.replicas.downloads.fetch_verified(0, chain) is None
+        assert not await joiner.replicas._download(0, chain)
+        assert joiner.state.round_of(0) == 0  # not rolled back to round 2's state
+
+    scenario(3, body)
+
+
+def test_a_slow_donor_does_not_hold_the_install_lock() -> None:
+    async def body(swarm: Swarm) -> None:
+        synchronizer, donor, joiner = swarm.by_id
+        for scale in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0):
+            record, update = synchronizer.commit(scale)
+            await synchronizer.install(record, update)
+        await sync_all([donor], passes=1)
+        swarm.kill(synchronizer)
+        swarm.network.suspend(donor.peer_id)  # answers nothing until the caller's deadline
+        downloading = asyncio.ensure_future(joiner.replicas.sync_fragment(0))
+        for _ in range(200):
+            await asyncio.sleep(0)  # let the pass read the chain and reach its download
+        assert not downloading.done() and joiner.state.round_of(0) == 0
+        # the local install path (a synchronizer's own commit) does not wait for the donor
+        await asyncio.wait_for(joiner.replicas._locks[0].acquire(), 1.0)
+        joiner.replicas._locks[0].release()
+        downloading.cancel()
+
+    scenario(3, body)
