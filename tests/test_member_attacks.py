@@ -143,12 +143,12 @@ def test_an_open_run_elects_only_peers_the_chain_shows_reachable() -> None:
     chains = [{}]
     entitlement.follow(chains)
     # before any record: every live learner (a run must be able to start)
-    assert len(synchronizer_candidates(members, entitlement.may_synchronize, entitlement.proven())) == 33
+    assert len(synchronizer_candidates(members, entitlement.may_synchronize, entitlement.proven(0))) == 33
     chains[0] = {0: record(0, honest[0], honest[1:])}
-    assert synchronizer_candidates(members, entitlement.may_synchronize, entitlement.proven()) == sorted(honest)
+    assert synchronizer_candidates(members, entitlement.may_synchronize, entitlement.proven(0)) == sorted(honest)
     # the proven peers left: the run goes on with whoever is live
     alone = {p: members[p] for p in sybils}
-    assert len(synchronizer_candidates(alone, entitlement.may_synchronize, entitlement.proven())) == 30
+    assert len(synchronizer_candidates(alone, entitlement.may_synchronize, entitlement.proven(0))) == 30
 
 
 def test_certificates_are_verified_once_per_peer_and_certificate_not_at_every_election_step(monkeypatch) -> None:

@@ -31,6 +31,10 @@ from p2pdiloco.protocol.rounds import (
     records_of,
     seal_record,
     superseded_digests,
+    UNPROVEN,
+    SUPERSEDE_AFTER_S,
+    record_standing,
+    standing_key,
 )
 
 RUN = "rounds-test"
@@ -603,3 +607,74 @@ def test_the_chain_is_independent_of_input_order_and_well_linked(records: list[R
         assert chosen == min(rivals, key=lambda r: rank(RUN, r))
     after = rounds[-1] + 1
     assert not [r for r in live if r.round == after and r.parent == chain[rounds[-1]].hash]
+
+
+# --- issue 28: in an open run, a record counts only if its ancestry named its synchronizer
+
+
+def _open_chain(rounds: int, closed_at: float = 1000.0) -> list[RoundRecord]:
+    """Rounds 0..rounds-1 synchronized by A and B in turn, each with both as contributors."""
+    out, parent = [], GENESIS
+    for r in range(rounds):
+        sync = (A, B)[r % 2]
+        out.append(
+            dataclasses_replace(
+                record(r, sync, parent=parent, hash=f"h{r}", contributors=((A, 1.0, 10), (B, 1.0, 10))),
+                closed_at=closed_at + 5 * r,
+            )
+        )
+        parent = f"h{r}"
+    return out
+
+
+def _outranking(round_id: int, rivals: list[str]) -> Identity:
+    """A fresh key that out-ranks every peer in `rivals` for (round, fragment 0): ground,
+    as an attacker with patience would."""
+    while True:
+        key = Identity.generate()
+        if synchronizer_order(RUN, round_id, 0, [key.peer_id, *rivals])[0] == key.peer_id:
+            return key
+
+
+def test_a_strangers_outranking_record_for_the_next_round_is_skipped_in_an_open_run() -> None:
+    honest = _open_chain(6)
+    stranger = _outranking(6, [A, B])
+    SIGNER[stranger.peer_id] = stranger
+    forged = dataclasses_replace(
+        record(6, stranger.peer_id, parent="h5", hash="forged-6", contributors=((stranger.peer_id, 1.0, 10),)),
+        closed_at=honest[-1].closed_at + 5,
+    )
+    rival = dataclasses_replace(
+        record(6, A, parent="h5", hash="h6", contributors=((A, 1.0, 10),)), closed_at=honest[-1].closed_at + 5
+    )
+    records = [*honest, forged, rival]
+    # the old rule (and a certified run, where certificates decide): the best rank wins
+    assert canonical_chain(RUN, records, GENESIS)[6].synchronizer == stranger.peer_id
+    chain = canonical_chain(RUN, records, GENESIS, open_run=True)
+    assert chain[6] == rival and max(chain) == 6
+    assert record_standing(records)[standing_key(forged)] == UNPROVEN
+
+
+def test_a_copied_digest_does_not_share_an_honest_records_fate() -> None:
+    honest = _open_chain(3)
+    stranger = Identity.generate()
+    copy = dataclasses_replace(honest[2], synchronizer=stranger.peer_id, hash="other")
+    chain = canonical_chain(RUN, [*honest, copy], GENESIS, open_run=True)
+    assert chain[2] == honest[2]
+
+
+def test_a_contributor_the_chain_named_may_synchronize_and_a_stalled_run_may_be_taken_over() -> None:
+    honest = _open_chain(4)
+    c_named = dataclasses_replace(
+        honest[3], contributors=((A, 1.0, 10), (C, 1.0, 10)), digest="d3c"
+    )
+    honest[3] = c_named
+    by_c = dataclasses_replace(record(4, C, parent="h3", hash="h4"), closed_at=honest[3].closed_at + 5)
+    assert canonical_chain(RUN, [*honest, by_c], GENESIS, open_run=True)[4] == by_c
+    # D was never named: too soon after round 3, skipped; once the chain stalled, taken over
+    soon = dataclasses_replace(record(4, D, parent="h3", hash="h4d"), closed_at=honest[3].closed_at + 5)
+    late = dataclasses_replace(soon, closed_at=honest[3].closed_at + 2 * SUPERSEDE_AFTER_S + 1)
+    assert 4 not in canonical_chain(RUN, [*honest, soon], GENESIS, open_run=True)
+    assert canonical_chain(RUN, [*honest, late], GENESIS, open_run=True)[4] == late
+    # ... but a named rival of the same round wins over a takeover whatever their ranks
+    assert canonical_chain(RUN, [*honest, late, by_c], GENESIS, open_run=True)[4] == by_c

@@ -304,7 +304,7 @@ class JoinedPeer:
             return
         me = self.transport.peer_id
         seen = {peer: list(beat.maddrs) for peer, beat in self.members.live.items() if peer != me and beat.maddrs}
-        remember_addresses(directory, seen, time.time(), proven=self.replicas.entitlement.proven() or ())
+        remember_addresses(directory, seen, time.time(), proven=self.replicas.entitlement.proven_anywhere())
         saved = self.global_checkpoint.saved if self.global_checkpoint else []
         self.emit({"event": "checkpoint_saved", "path": str(path), "step": self.learner.progress.step,
                    "global_rounds": [round_id for round_id, _hash in saved]})  # fmt: skip

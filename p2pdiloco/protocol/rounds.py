@@ -291,6 +291,66 @@ def superseded_digests(
     return frozenset(out)
 
 
+PROVEN_LOOKBACK = 256
+"""Rounds of a record's ancestry searched for its synchronizer (records live an hour)."""
+TAKEOVER_AFTER_S = 2 * SUPERSEDE_AFTER_S
+"""After this long with no round (signed times), a peer the chain never named may
+commit the next one: an open run must not halt once every peer it named has left."""
+PROVEN, TAKEOVER, UNPROVEN = 0, 1, 2
+"""A record's standing in an open run (`record_standing`): better standing wins first."""
+
+
+def standing_key(record: RoundRecord) -> tuple[int, str, str]:
+    """What tells records apart for their standing: a record signed by another peer with
+    a copied digest must not share an honest record's fate."""
+    return (record.round, record.synchronizer, record.digest)
+
+
+def record_standing(
+    records: Iterable[RoundRecord], takeover_after_s: float = TAKEOVER_AFTER_S
+) -> dict[tuple[int, str, str], int]:
+    """`standing_key` -> standing of each record in an open run (pure, the same on every peer).
+
+    PROVEN: its synchronizer is named (as synchronizer or contributor) by a record of its
+    own ancestry (the parent links, `PROVEN_LOOKBACK` rounds back, through records that
+    are not UNPROVEN), or no ancestor is known (round 0, or where older records expired).
+    TAKEOVER: not named, but its parent closed at least `takeover_after_s` before it: the
+    peers the chain named have all stopped. UNPROVEN otherwise: skipped.
+
+    A free identity (anyone may sign records in an open run) could otherwise out-rank the
+    elected synchronizer's record with a key ground for the round, and every peer would
+    wait for an update that does not exist (issue 28: 0 rounds in 90 s). Elections use the
+    same set (`entitlement.proven`), so an honest elected synchronizer is always PROVEN.
+    """
+    ordered = sorted(records, key=lambda r: r.round)
+    index: dict[tuple[int, str], list[RoundRecord]] = {}
+    standing: dict[tuple[int, str, str], int] = {}
+    for record in ordered:
+        parents = index.get((record.round - 1, record.parent), [])
+        if not parents or _named_in_ancestry(record.synchronizer, parents, index):
+            standing[standing_key(record)] = PROVEN
+        elif record.closed_at - min(p.closed_at for p in parents) >= takeover_after_s:
+            standing[standing_key(record)] = TAKEOVER
+        else:
+            standing[standing_key(record)] = UNPROVEN
+            continue
+        index.setdefault((record.round, record.hash), []).append(record)
+    return standing
+
+
+def _named_in_ancestry(
+    peer: str, parents: list[RoundRecord], index: dict[tuple[int, str], list[RoundRecord]]
+) -> bool:
+    frontier = parents
+    for _ in range(PROVEN_LOOKBACK):
+        if not frontier:
+            return False
+        if any(peer == r.synchronizer or any(c[0] == peer for c in r.contributors) for r in frontier):
+            return True
+        frontier = [a for r in frontier for a in index.get((r.round - 1, r.parent), [])][:8]
+    return False
+
+
 def canonical_chain(
     run: str,
     records: Iterable[RoundRecord],
@@ -299,6 +359,7 @@ def canonical_chain(
     *,
     anchor: tuple[int, str] | None = None,
     supersede_after_s: float = SUPERSEDE_AFTER_S,
+    open_run: bool = False,
 ) -> dict[int, RoundRecord]:
     """The one record per round every peer follows, from its start as far as it goes.
 
@@ -316,19 +377,24 @@ def canonical_chain(
     below the real start, or above its head, truncates nothing (its chain is one round
     long), and outgrowing a replica's own chain takes more forged records than its head
     round.
+
+    In an open run (`open_run`), a record whose synchronizer its own ancestry never named
+    is skipped, and one that took over a stalled chain ranks after every named rival
+    (`record_standing`).
     """
     records = list(records)
     skipped = void | superseded_digests(records, supersede_after_s)
+    standing = record_standing(records, 2 * supersede_after_s) if open_run else {}
     by_round: dict[int, list[RoundRecord]] = {}
     for record in records:
-        if record.digest not in skipped:
+        if record.digest not in skipped and standing.get(standing_key(record)) != UNPROVEN:
             by_round.setdefault(record.round, []).append(record)
     if not by_round:
         return {}
 
     def best(round_id: int, parent: str | None) -> RoundRecord | None:
         rivals = [r for r in by_round.get(round_id, ()) if parent is None or r.parent == parent]
-        return min(rivals, key=lambda r: rank(run, r)) if rivals else None
+        return min(rivals, key=lambda r: (standing.get(standing_key(r), PROVEN), rank(run, r))) if rivals else None
 
     # the head reached from (round, parent) and whether the way passes the anchor, computed
     # once per pair from the top down: choosing among many starts costs one pass, not a

@@ -112,7 +112,7 @@ class ReplicaSync:
         self.entitlement = Entitlement(run, admission or Admission(), transport.now)
         self.server = UpdateServer(transport, run, state, limits, worker)
         self.server.synchronizers = lambda: synchronizer_candidates(
-            self.members(), self.entitlement.may_synchronize, self.entitlement.proven()
+            self.members(), self.entitlement.may_synchronize, self.entitlement.proven_anywhere()
         )
         self.downloads = StateDownload(transport, run, state, members, limits, worker, on_event)
         self.audits = Audits(
@@ -171,6 +171,7 @@ class ReplicaSync:
         chain = canonical_chain(
             self.run, records, self.genesis[fragment], frozenset(self.void),
             anchor=self.anchor(fragment), supersede_after_s=self.void_after_s,
+            open_run=self.entitlement.admission.synchronizers == "open",
         )  # fmt: skip
         self.chains[fragment] = chain
         return chain

@@ -27,8 +27,7 @@ class Entitlement:
         first proven lie: not elected again, and none of their records from then on count
         (earlier ones were applied and checked like any other)."""
         self._chains: Sequence[dict[int, RoundRecord]] = ()
-        self._proven_key: tuple = ()
-        self._proven: frozenset[str] = frozenset()
+        self._proven: dict[tuple, frozenset[str]] = {}
         self._verdicts: dict[tuple[str, tuple[bytes, ...]], float | None] = {}
         """(peer, certificates) -> expiry of its synchronizer certificate (None: refused),
         so an election step compares two floats instead of checking signatures."""
@@ -51,27 +50,35 @@ class Entitlement:
         expires_at = self._certificate_expiry(beat.peer_id, beat.certificates)
         return expires_at is not None and expires_at >= self.now()
 
-    def proven(self) -> frozenset[str] | None:
-        """In an open run, the peers the canonical chain shows reachable: the synchronizer
-        and contributors of every canonical record this peer holds (records live an hour:
-        the last hour's), None in a certified run, where the certificates decide, or
-        before any record. Every peer reads the same signed records, so every peer elects
-        from the same set; the whole hour, not the last few rounds, so that peers whose
-        reads lag a round do not disagree on who just aged out."""
-        if self.admission.synchronizers != "open":
+    def proven(self, fragment: int) -> frozenset[str] | None:
+        """In an open run, the peers the canonical chain of `fragment` shows reachable: the
+        synchronizer and contributors of every canonical record this peer holds of it
+        (records live an hour: the last hour's). None in a certified run, where the
+        certificates decide, or before any record. It is the set the chain itself requires
+        (`rounds.record_standing`: a record whose synchronizer its ancestry never named is
+        skipped), so an elected synchronizer's record always counts; the whole hour, not
+        the last few rounds, so that peers whose reads lag a round agree on who is in it."""
+        if self.admission.synchronizers != "open" or not 0 <= fragment < len(self._chains):
             return None
-        key = tuple((id(chain), len(chain), max(chain, default=-1)) for chain in self._chains)
-        if key != self._proven_key:
-            self._proven_key, self._proven = key, self._proven_in(self._chains)
-        return self._proven or None
+        chain = self._chains[fragment]
+        key = (fragment, id(chain), len(chain), max(chain, default=-1))
+        if key not in self._proven:
+            if len(self._proven) > 4 * len(self._chains):
+                self._proven.clear()
+            self._proven[key] = self._proven_in(chain)
+        return self._proven[key] or None
+
+    def proven_anywhere(self) -> frozenset[str]:
+        """Peers the canonical chain of any fragment shows reachable (the address book
+        keeps them first; a hold is accepted from a synchronizer of any fragment)."""
+        return frozenset().union(*(self.proven(f) or () for f in range(len(self._chains))))
 
     @staticmethod
-    def _proven_in(chains: Sequence[dict[int, RoundRecord]]) -> frozenset[str]:
+    def _proven_in(chain: dict[int, RoundRecord]) -> frozenset[str]:
         peers: set[str] = set()
-        for chain in chains:
-            for record in chain.values():
-                peers.add(record.synchronizer)
-                peers.update(c[0] for c in record.contributors)
+        for record in chain.values():
+            peers.add(record.synchronizer)
+            peers.update(c[0] for c in record.contributors)
         return frozenset(peers)
 
     def learner_refusal(self, peer: str, certificates: tuple[bytes, ...]) -> str | None:
