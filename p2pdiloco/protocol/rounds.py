@@ -338,6 +338,19 @@ def record_standing(
     return standing
 
 
+def counted_records(
+    records: Iterable[RoundRecord], open_run: bool, supersede_after_s: float = SUPERSEDE_AFTER_S
+) -> list[RoundRecord]:
+    """The records the canonical rules count at all: in an open run, not the UNPROVEN
+    ones (what a synchronizer checks before committing: a stranger's record for its round
+    must not make it give up, as it does not make any peer follow the stranger)."""
+    records = list(records)
+    if not open_run:
+        return records
+    standing = record_standing(records, 2 * supersede_after_s)
+    return [r for r in records if standing.get(standing_key(r)) != UNPROVEN]
+
+
 def _named_in_ancestry(
     peer: str, parents: list[RoundRecord], index: dict[tuple[int, str], list[RoundRecord]]
 ) -> bool:

@@ -33,6 +33,7 @@ from p2pdiloco.protocol.membership import Heartbeat
 from p2pdiloco.protocol.merge import RoundMerge, history_of, max_tokens_per_step, merge_round
 from p2pdiloco.protocol.rounds import (
     RoundRecord,
+    counted_records,
     record_subkey,
     records_of,
     rounds_key,
@@ -324,9 +325,10 @@ class Committer:
         raw = await self.transport.get(rounds_key(self.run, fragment))
         parent = self.replicas.parent_hash(fragment, round_id)
         rerun_of = self.replicas.supersedable(fragment, round_id)  # this peer re-runs it
+        records = records_of(self.run, raw, fragment, self.replicas.entitlement.entitled).values()
         return any(
             r.round == round_id and r.parent == parent and r.digest != rerun_of
-            for r in records_of(self.run, raw, fragment, self.replicas.entitlement.entitled).values()
+            for r in counted_records(records, self.replicas.open_run, self.replicas.void_after_s)
         )
 
     async def publish(self, window: Window, merged: Merged, record: RoundRecord) -> str:

@@ -171,10 +171,16 @@ class ReplicaSync:
         chain = canonical_chain(
             self.run, records, self.genesis[fragment], frozenset(self.void),
             anchor=self.anchor(fragment), supersede_after_s=self.void_after_s,
-            open_run=self.entitlement.admission.synchronizers == "open",
+            open_run=self.open_run,
         )  # fmt: skip
         self.chains[fragment] = chain
         return chain
+
+    @property
+    def open_run(self) -> bool:
+        """Whether anyone may synchronize: records then count only as `rounds.record_standing`
+        allows, since any free identity can sign one."""
+        return self.entitlement.admission.synchronizers == "open"
 
     def anchor(self, fragment: int) -> tuple[int, str] | None:
         """(last round this replica applied, its hash after it): where its chain may go on

@@ -31,7 +31,8 @@ from p2pdiloco.protocol.membership import (
     members_key,
     open_heartbeat,
 )
-from p2pdiloco.protocol.rounds import RoundRecord, record_subkey, rounds_key, seal_record
+from p2pdiloco.protocol.election import synchronizer_order
+from p2pdiloco.protocol.rounds import RoundRecord, open_record, record_subkey, rounds_key, seal_record
 from p2pdiloco.transport import make_transport
 from p2pdiloco.wire import messages
 from p2pdiloco.wire.contributions import (
@@ -310,6 +311,45 @@ class Adversary:
                 await self.transport.store(members_key(self.run), sybil.peer_id, sealed, sent_at + 299)
             )
         return {"stored": stored, "config_hash": config_hash[:12]}
+
+    async def hijacked_rounds(self, duration_s: float = 60.0, fragments: int = 4) -> dict:
+        """"Measured on main" (issue 28): for each new head of each fragment's chain, a
+        record for the next round, signed by a fresh key ground to out-rank every victim
+        for that round, with the right parent and an update that exists nowhere. Before
+        open runs required a record's ancestry to name its synchronizer, every peer
+        followed it and waited for the update: no round closed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + duration_s
+        signed: set[tuple[int, int]] = set()
+        while loop.time() < deadline:
+            for fragment in range(fragments):
+                raw = await self.transport.get(rounds_key(self.run, fragment))
+                heads = [
+                    r for r in (open_record(self.run, value) for value, _ in raw.values())
+                    if r is not None and r.synchronizer in self.victims
+                ]  # fmt: skip
+                if not heads:
+                    continue
+                head = max(heads, key=lambda r: r.round)
+                target = head.round + 1
+                if (fragment, target) in signed:
+                    continue
+                while True:  # patience: about one key in len(victims) + 1 out-ranks them all
+                    key = Identity.generate()
+                    if synchronizer_order(self.run, target, fragment, [key.peer_id, *self.victims])[0] == key.peer_id:
+                        break
+                record = RoundRecord(
+                    round=target, fragment=fragment, synchronizer=key.peer_id, hash=f"{target:032x}",
+                    parent=head.hash, digest=Identity.generate().peer_id[-32:], closed_at=self.transport.now(),
+                    contributors=((key.peer_id, 1.0, 64),), holders=(key.peer_id,),
+                )  # fmt: skip
+                await self.transport.store(
+                    rounds_key(self.run, fragment), record_subkey(target, key.peer_id),
+                    seal_record(key, self.run, record), self.transport.now() + 600,
+                )  # fmt: skip
+                signed.add((fragment, target))
+            await asyncio.sleep(0.5)
+        return {"records_signed": len(signed)}
 
     async def replayed_beats(self, wait_s: float = 10.0) -> dict:
         """Issue 28, item 1: capture each victim's signed beat, wait until newer ones were

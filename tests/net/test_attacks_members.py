@@ -75,3 +75,46 @@ def test_sybil_heartbeats_and_replayed_beats_do_not_halt_an_open_run() -> None:
     for peer in peers:
         peer.request_stop(signal.SIGTERM)
     assert [peer.wait_exit(60) for peer in peers] == [0] * len(peers)
+
+
+def test_records_ground_to_outrank_the_elected_synchronizer_do_not_hijack_an_open_run() -> None:
+    """Issue 28, "measured on main": one record per new round, each signed by a fresh key
+    ground to out-rank the honest synchronizers (right parent, an update that exists
+    nowhere), plus Sybil heartbeats: 0 rounds closed in 90 s before records needed an
+    ancestry that names their synchronizer. Now the rounds go on while it signs them."""
+    boot = start_bootstrap()
+    peers = start_learners(3, boot.maddrs, flags=["--max-rounds", "500"])
+    logs = [Events(p) for p in peers]
+    honest = sorted(p.peer_id for p in peers)
+    wait_all(logs, applied(1), ROUND_WAIT_S)
+    attacker = start_peer_process(
+        [
+            str(ADVERSARY), "--run", "local", "--initial-peer", *boot.maddrs[:1],
+            "--victims", ",".join(honest), "--attacks", "sybil_heartbeats,hijacked_rounds",
+        ],
+        ready_timeout_s=180,
+    )  # fmt: skip
+    before = max(latest_round(log) for log in logs)
+    results = {}
+    while True:
+        event = attacker.next_event(600)
+        if event.get("done"):
+            break
+        results[event["attack"]] = event
+    for name, result in results.items():
+        assert "error" not in result, (name, result)
+    assert results["hijacked_rounds"]["records_signed"] >= 3  # it had new heads to hijack
+    for log in logs:
+        log.drain(quiet_s=1.0, max_s=5.0)
+    # during the 60 s of signing, every peer went on applying honest rounds
+    assert min(latest_round(log) for log in logs) >= before + 3
+    tables = [log.hashes() for log in logs]
+    for key in set.intersection(*(set(t) for t in tables)):
+        assert len({t[key] for t in tables}) == 1, key
+    hijacked = {f"{r:032x}" for r in range(before, before + 10_000)}
+    assert not any(h in hijacked for t in tables for h in t.values())
+    assert all(p.popen.poll() is None for p in peers)
+    attacker.stop()
+    for peer in peers:
+        peer.request_stop(signal.SIGTERM)
+    assert [peer.wait_exit(60) for peer in peers] == [0] * len(peers)
