@@ -41,6 +41,9 @@ class TrickleStream:
     async def close(self) -> None:
         self.closed = True
 
+    def abort(self) -> None:
+        self.data = b""  # the next read ends the stream
+
 
 def serve(stream: TrickleStream, limit: ConcurrencyLimit, pace: framing.Pace, calls: list[bytes]):
     async def handler(caller: str, request: bytes) -> bytes:

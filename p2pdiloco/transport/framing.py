@@ -15,7 +15,11 @@ an overall deadline), and the protocol below runs unchanged on either.
 The receiver holds a stranger to a `Pace`: the request header within `grace_s`, then the
 body on schedule (on average at least `min_bytes_per_s` since the grace ended), and the
 response written within the same budget. An idle timeout alone let a caller hold a
-handler slot for ever by trickling one byte every 50 s (issue 28, item 2).
+handler slot for ever by trickling one byte every 50 s (issue 28, item 2). The pace
+bounds one stream's life, not a crowd of free identities that open theirs again at once
+to keep every slot full: a full handler is therefore shared fairly (`ConcurrencyLimit.
+admit`), a newcomer taking over the slot of a body being read for the caller reading
+the most, and the stream taken over stops at once (`ByteStream.abort`).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from p2pdiloco.transport.base import (
     RequestTooLarge,
     ResponseTooLarge,
 )
-from p2pdiloco.transport.ratelimit import ConcurrencyLimit
+from p2pdiloco.transport.ratelimit import ConcurrencyLimit, Hold
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +81,10 @@ class StreamEnded(ConnectionError):
     """The other side closed or reset the stream before the frame was complete."""
 
 
+class TakenOver(StreamEnded):
+    """A fairer caller took over this request's slot while its body was being read."""
+
+
 class ByteStream(Protocol):
     """One RPC stream as the framing sees it; every wait raises TimeoutError when bounded."""
 
@@ -93,6 +101,10 @@ class ByteStream(Protocol):
     async def close(self) -> None:
         """Close the stream; never raises."""
 
+    def abort(self) -> None:
+        """Make a read in progress, and every later one, end at once (b"" or StreamEnded);
+        synchronous, called on the loop (thread) that serves the stream; never raises."""
+
 
 async def read_exactly(stream: ByteStream, length: int, idle_bound: bool = True) -> bytes:
     """Exactly `length` bytes in reads of <= CHUNK_BYTES; StreamEnded if the stream ends first."""
@@ -106,23 +118,38 @@ async def read_exactly(stream: ByteStream, length: int, idle_bound: bool = True)
     return b"".join(parts)  # one copy; growing a bytearray and bytes()-ing it costs two
 
 
-async def read_paced(stream: ByteStream, length: int, pace: Pace, started_s: float) -> bytes:
+async def read_paced(
+    stream: ByteStream, length: int, pace: Pace, started_s: float, hold: Hold | None = None
+) -> bytes:
     """Exactly `length` bytes, on `pace`'s schedule counted from `started_s` (time.monotonic):
     TimeoutError as soon as the bytes received so far fall behind it; StreamEnded if the
-    stream ends first."""
+    stream ends first. With a `hold`, its `due_s` follows the schedule (how far behind it
+    the body is decides which slot a newcomer takes over), and TakenOver as soon as it is
+    taken over."""
     parts, received = [], 0
     while received < length:
         # behind schedule once now > start + grace + received / rate
-        left_s = started_s + pace.grace_s + received / pace.min_bytes_per_s - time.monotonic()
+        due_s = started_s + pace.grace_s + received / pace.min_bytes_per_s
+        if hold is not None:
+            hold.due_s = due_s
+            _check_held(hold)
+        left_s = due_s - time.monotonic()
         if left_s <= 0:
             raise TimeoutError(f"{received} of {length} bytes: slower than {pace.min_bytes_per_s:g} B/s")
         async with stream.within(left_s):
             chunk = await stream.read(min(CHUNK_BYTES, length - received))
+        if hold is not None:
+            _check_held(hold)
         if not chunk:
             raise StreamEnded(f"stream ended {length - received} bytes before the end of a {length}-byte frame")
         parts.append(chunk)
         received += len(chunk)
     return b"".join(parts)
+
+
+def _check_held(hold: Hold) -> None:
+    if hold.taken_over:
+        raise TakenOver(f"the slot of {hold.caller} was taken over by a fairer caller")
 
 
 async def write_body(stream: ByteStream, body: bytes) -> None:
@@ -160,7 +187,10 @@ async def serve_call(
 
     The caller is held to `pace` from the first byte: a slot of `limit` is never held
     longer than `pace.deadline_s` of the declared size for the request, and of the
-    response's size for the answer, plus the handler's own time."""
+    response's size for the answer, plus the handler's own time. A full `limit` is shared
+    fairly (`ConcurrencyLimit.admit`): this request may take over the slot of another
+    caller's body being read, and while its own body is read, another caller may take
+    over its slot (it then ends at once, logged as `rpc_dropped reason=TakenOver`)."""
     started_s = time.monotonic()
     try:
         header = await read_paced(stream, REQUEST_HEADER.size, pace, started_s)
@@ -178,21 +208,27 @@ async def serve_call(
             if length <= CHUNK_BYTES:  # sent unasked: drain it so the refusal lands
                 await _discard(stream, length, 5)
             return
-        refusal = limit.try_acquire(caller)
-        if refusal is not None:
+        # the body's schedule starts now: the header's grace was the caller's to use
+        body_started_s = time.monotonic()
+        # a stream without `abort` (a test's fake) still stops at its next read when taken over
+        hold = limit.admit(caller, body_started_s + pace.grace_s, getattr(stream, "abort", None))
+        if isinstance(hold, str):
             # Refused at the door, never queued: the body is not read.
             logger.warning(
-                "rpc_rejected reason=too_many_concurrent name=%s caller=%s detail=%r", name, caller, refusal
+                "rpc_rejected reason=too_many_concurrent name=%s caller=%s detail=%r", name, caller, hold
             )
-            await send_response(stream, STATUS_ERROR, f"too many concurrent requests ({refusal})".encode(), pace)
+            await send_response(stream, STATUS_ERROR, f"too many concurrent requests ({hold})".encode(), pace)
             if length <= CHUNK_BYTES:
                 await _discard(stream, length, 1)
             return
+        if hold.took_over_from is not None:
+            logger.info("rpc_took_over name=%s caller=%s from=%s", name, caller, hold.took_over_from)
         try:
             if length > CHUNK_BYTES:
                 await stream.write(CONTINUE)
-            # the body's schedule starts now: the header's grace was the caller's to use
-            request = await read_paced(stream, length, pace, time.monotonic())
+            request = await read_paced(stream, length, pace, body_started_s, hold)
+            if not limit.body_read(hold):
+                raise TakenOver(f"slot of {caller} taken over")
             try:
                 response, status = await handler(caller, request), STATUS_OK
             except Exception as exc:  # noqa: BLE001 - the handler's fault goes back to the caller
@@ -200,7 +236,7 @@ async def serve_call(
                 response, status = f"{type(exc).__name__}: {exc}".encode()[:MAX_ERROR_BYTES], STATUS_ERROR
             await send_response(stream, status, response, pace)
         finally:
-            limit.release(caller)
+            limit.give_back(hold)  # releases the slot unless it was taken over
     except (TimeoutError, ConnectionError) as exc:
         logger.info("rpc_dropped name=%s caller=%s reason=%s", name, caller, type(exc).__name__)
     except Exception:

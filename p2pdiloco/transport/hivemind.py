@@ -203,6 +203,10 @@ class _AsyncioStream:
     async def close(self) -> None:
         self.writer.close()
 
+    def abort(self) -> None:
+        # closing the socket to p2pd ends a pending read (EOF) on the next loop turn
+        self.writer.close()
+
 
 async def _await(future: object) -> object:
     return await future  # type: ignore[misc]

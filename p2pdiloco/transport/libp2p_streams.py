@@ -21,7 +21,7 @@ from libp2p.protocol_muxer.exceptions import ProtocolNotSupportedError
 
 from p2pdiloco.transport import framing
 from p2pdiloco.transport.base import PeerUnreachable, RemoteError
-from p2pdiloco.transport.ratelimit import ConcurrencyLimit
+from p2pdiloco.transport.ratelimit import ConcurrencyLimit, Hold
 
 
 class TrioStream:
@@ -29,10 +29,17 @@ class TrioStream:
 
     def __init__(self, stream: Any, idle_s: float) -> None:
         self.stream, self.idle_s = stream, idle_s
+        self._aborted = False
+        self._reading: trio.CancelScope | None = None
 
     async def read(self, n: int, idle_bound: bool = True) -> bytes:
+        if self._aborted:
+            return b""
         try:
-            with trio.fail_after(self.idle_s if idle_bound else float("inf")):
+            with (
+                trio.CancelScope() as self._reading,
+                trio.fail_after(self.idle_s if idle_bound else float("inf")),
+            ):
                 return await self.stream.read(n)
         except StreamEOF:
             return b""
@@ -40,6 +47,14 @@ class TrioStream:
             raise framing.StreamEnded(f"stream reset: {type(exc).__name__}") from None
         except trio.TooSlowError:
             raise TimeoutError("no byte within the idle timeout") from None
+        finally:
+            self._reading = None
+        return b""  # reached only when `abort` cancelled the read
+
+    def abort(self) -> None:
+        self._aborted = True
+        if self._reading is not None:
+            self._reading.cancel()
 
     async def write(self, data: bytes) -> None:
         try:
@@ -87,11 +102,14 @@ async def call_over_stream(
 
 
 class LockedLimit(ConcurrencyLimit):
-    """A `ConcurrencyLimit` shared by the trio thread (serving) and asyncio (calls to self)."""
+    """A `ConcurrencyLimit` shared by the trio thread (serving) and asyncio (calls to self).
+
+    Only the trio thread's streams read bodies, so only they take over a slot (calls to
+    self use `try_acquire` / `release`): a victim's `abort` runs on its own thread."""
 
     def __init__(self, max_in_flight: int, max_per_caller: int) -> None:
         super().__init__(max_in_flight, max_per_caller)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # admit and give_back call try_acquire and release
 
     def try_acquire(self, caller: str) -> str | None:
         with self._lock:
@@ -100,3 +118,17 @@ class LockedLimit(ConcurrencyLimit):
     def release(self, caller: str) -> None:
         with self._lock:
             super().release(caller)
+
+    # admit -> _take_over calls the victim's `abort` under the lock: a TrioStream's only
+    # cancels a scope (it never takes this lock), so that cannot deadlock.
+    def admit(self, caller: str, due_s: float, abort: Any = None) -> Hold | str:
+        with self._lock:
+            return super().admit(caller, due_s, abort)
+
+    def body_read(self, hold: Hold) -> bool:
+        with self._lock:
+            return super().body_read(hold)
+
+    def give_back(self, hold: Hold) -> None:
+        with self._lock:
+            super().give_back(hold)
