@@ -113,7 +113,9 @@ class AttackedSwarm:
             "--victims", ",".join(sorted(self.peer_ids())), "--attacks", attacks,
         ]  # fmt: skip
         # stdin stays open: the attacker stays in the DHT (its junk reachable) until it closes
-        self.attacker = Child.spawn(args, "adversary", cwd=REPO, env=_env(), stdin=True)
+        # the long attacks (trickled bodies, floods) last the window and a margin
+        lasting = {"SLOW_BODIES_S": f"{self.setting.window_s + 10:g}", "FLOOD_S": f"{self.setting.window_s + 10:g}"}
+        self.attacker = Child.spawn(args, "adversary", cwd=REPO, env={**_env(), **lasting}, stdin=True)
         self.attacker.wait_ready(timeout_s)
         return time.time()
 

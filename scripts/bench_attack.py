@@ -286,17 +286,17 @@ def defence_cost(config, clean: RunFigures, rules) -> dict:
 
 
 NETWORK_ATTACKS: dict[str, str] = {
-    # benchmark name: the tests/net/adversary.py attacks it runs (comma-separated)
+    # benchmark name: the tests/net/adversary.py attacks it runs, in order (comma-separated)
     "sybil_heartbeats": "sybil_heartbeats",
-    "heartbeat_replay": "heartbeat_replay",
+    "heartbeat_replay": "replayed_beats",
+    "hijacked_rounds": "sybil_heartbeats,hijacked_rounds",
     "slow_bodies": "slow_bodies",
-    "stale_donor": "stale_donor",
     "notice_flood": "notice_flood",
     "hold_flood": "hold_flood",
     "forgeries": "forged_heartbeats,plain_values,fake_members,forged_records,bad_contributions,state_flood",
 }
 """Attacks a stranger runs over the network against real peer processes (attack_swarm.py)."""
-QUICK_NETWORK = ("sybil_heartbeats", "heartbeat_replay", "slow_bodies")
+QUICK_NETWORK = ("sybil_heartbeats", "hijacked_rounds", "slow_bodies")
 
 
 def merge_attacks(config, corpus, eval_set, names: list[str]) -> tuple[dict, RunFigures, RunFigures]:
