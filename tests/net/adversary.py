@@ -390,6 +390,17 @@ class Adversary:
         duration_s = flood_duration_s() if duration_s is None else duration_s
         return await hold_flood(self.transport, self.run, self.victims, duration_s, identities, every_s)
 
+    async def stale_donor(self, duration_s: float | None = None, lead: int = 2) -> dict:
+        """Issue 28, item 8: download a valid state of every fragment from a victim, then
+        beat as a learner at the chain's head (the freshest victim's round + `lead`) and
+        serve that old state to every `get_state`, for `duration_s` (default $STALE_DONOR_S
+        or 60; until $STALE_DONOR_STOP_FILE exists). Before the fix a joiner took it, most
+        advanced claim first, and was rolled back (tests/net/stale_donor.py)."""
+        from stale_donor import stale_donor_attack, stale_donor_duration_s  # noqa: PLC0415 - beside this script
+
+        duration_s = stale_donor_duration_s() if duration_s is None else duration_s
+        return await stale_donor_attack(self.transport, self.run, self.victims, duration_s, lead, emit)
+
 
 def _rewrite_header(frame: bytes, edit) -> bytes:
     """`frame` with its msgpack header changed by `edit`, written by hand (our encoder
