@@ -500,7 +500,7 @@ class PeerConfig:
             self,
             "peer.heartbeat_s",
             "(0, 75]",
-            note="a heartbeat lives 4 periods, the DHT keeps it at most 300 s",
+            note="a heartbeat signs a life of 4 periods, and no life over 300 s is accepted",
         )
         _at_least(self, "peer.data_rank", -1)
         _at_least(self, "peer.data_shards", 1)

@@ -80,7 +80,9 @@ class RoundRecord:
     """Digest of each contributor's signed contribution (aligned with `contributors`):
     what an auditor fetches to recompute the merge."""
     norms: tuple[float, ...] = ()
-    """Norm of each contributor's delta as merged (after clipping): the next rounds' history."""
+    """Norm of each contributor's delta, capped at the reference its window was screened
+    against (`screening.history_norms`: a lone delta cannot lift the next clip): the next
+    rounds' history."""
     refused: tuple[str, ...] = ()
     """Digests of the window's contributions the screening refused (an audit redoes it)."""
     history_from: int = -1
