@@ -399,19 +399,33 @@ def test_a_delta_arriving_during_the_merge_is_told_it_is_late() -> None:
         synchronizer.on_phase["during_merge"] = hold_the_merge
         contributions = asyncio.gather(a.contribute(1.0), b.contribute(3.0))
         await merging.wait()
-        raw = await synchronizer.transport.call(
-            synchronizer.peer_id,
-            f"{RUN}.{messages.RPC_CONTRIBUTE}",
-            seal_contribution(synchronizer.transport.identity, RUN, synchronizer.frame(2.0)),
-            5.0,
+        window, refused = synchronizer.sync.windows[(0, 0)], asyncio.Event()
+        accept = window.machine.accept
+
+        def noted_accept(*args):
+            refusal = accept(*args)
+            if refusal == "window is closing":
+                refused.set()
+            return refusal
+
+        window.machine.accept = noted_accept
+        late = asyncio.ensure_future(
+            synchronizer.transport.call(
+                synchronizer.peer_id,
+                f"{RUN}.{messages.RPC_CONTRIBUTE}",
+                seal_contribution(synchronizer.transport.identity, RUN, synchronizer.frame(2.0)),
+                5.0,
+            )
         )
-        reply = wire.decode_message(raw, LIMITS)
+        await refused.wait()  # it is answered once the commit is over, with the record
+        release.set()
+        reply = wire.decode_message(await late, LIMITS)
         assert reply.meta["status"] == messages.LATE
         assert reply.meta["reason"] == "window is closing"
-        release.set()
         outcomes = await contributions
         assert [o.status for o in outcomes] == [messages.MERGED, messages.MERGED]
         (record,) = cluster.dht_records().values()
+        assert reply.meta["record"] == record.sealed
         assert record.weight_of(synchronizer.peer_id) is None
         assert {c[0] for c in record.contributors} == {a.peer_id, b.peer_id}
 

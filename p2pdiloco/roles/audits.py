@@ -63,6 +63,14 @@ OK or mismatch, ends it: the verdict is ours)."""
 NOTICES_PER_NOTIFIER_PER_S = 1 / 600
 """A notifier's notices are verified at most this often, after a burst of two."""
 MAX_NOTICES_SEEN = 1 << 16
+RETRY_FIRST_S = 2.0
+"""A held update (`Audits.unverified`) is audited again after this long, then after twice
+as long each time, up to `RETRY_MAX_S`: not on every sync pass (each try is a
+`get_contributions` call to a synchronizer that refused the last one)."""
+RETRY_MAX_S = 30.0
+DISTRUST_S = 3600.0
+"""How long a synchronizer whose out-of-line update this peer could not verify is not
+elected here (unless the update verifies meanwhile): a round record's lifetime."""
 
 Convicted = Callable[[RoundRecord, str], Awaitable[None]]
 """What the replica does with a proven false merge: `await convicted(record, reason)`."""
@@ -112,6 +120,8 @@ class Audits:
         """Live learners this peer sees: notices count only from them; their number
         divides the audit share (`should_audit`)."""
         self.clock: Callable[[], float] = time.monotonic
+        self._retries: dict[str, tuple[int, float]] = {}
+        """Digest of a held update -> (audits tried, when the next one is due, by `clock`)."""
         self._notices_seen: set[str] = set()
         self._notices_read_at: float | None = None
         self._records_verified: set[tuple[int, int, str]] = set()
@@ -158,16 +168,44 @@ class Audits:
         its contributions, or the record claims no history the chain holds): not applied;
         from now on the round counts as one this replica cannot get (`unverified_since`),
         which lets its next synchronizer re-run it once `void_after_s` passed by the
-        record's signed time, as for an update nobody serves."""
+        record's signed time, as for an update nobody serves (this peer's learner then
+        sends its delta for the round past the record's synchronizer,
+        `ReplicaSync.withheld_by`). The next audit waits (`retry_due`), and the
+        synchronizer is not elected here meanwhile (`Entitlement.distrust`)."""
         first = self.unverified_since.setdefault(record.digest, time.monotonic())
+        tries, _ = self._retries.get(record.digest, (0, 0.0))
+        wait_s = min(RETRY_FIRST_S * 2**tries, RETRY_MAX_S)
+        self._retries[record.digest] = (tries + 1, self.clock() + wait_s)
+        # Not elected here meanwhile: it would hold the next round it is elected for the
+        # same way. Local only (a refusal proves nothing to others): no notice, and its
+        # records count as before; lifted if this update verifies (`verified`).
+        self.entitlement.distrust(record.synchronizer, DISTRUST_S)
         log.warning(
-            "out-of-line update not verified round=%d fragment=%d synchronizer=%s reason=%r held_s=%.0f",
-            record.round, record.fragment, record.synchronizer[-8:], reason, time.monotonic() - first,
+            "out-of-line update not verified round=%d fragment=%d synchronizer=%s reason=%r held_s=%.0f"
+            " next_try_s=%.0f",
+            record.round, record.fragment, record.synchronizer[-8:], reason, time.monotonic() - first, wait_s,
         )
         self.on_event(
             {"event": "unverified", "fragment": record.fragment, "round": record.round,
              "synchronizer": record.synchronizer, "reason": reason}
         )
+
+    def retry_due(self, record: RoundRecord) -> bool:
+        """Whether a held update may be audited again now (always, for one not held):
+        tries back off exponentially, capped at `RETRY_MAX_S`."""
+        retry = self._retries.get(record.digest)
+        return retry is None or self.clock() >= retry[1]
+
+    def held(self, record: RoundRecord) -> bool:
+        """Whether `record`'s update is held here: it must be verified and was not."""
+        return record.digest in self.unverified_since
+
+    def verified(self, record: RoundRecord) -> None:
+        """An audit of `record` said OK: not held any more, and if it was, its
+        synchronizer is trusted again."""
+        self._retries.pop(record.digest, None)
+        if self.unverified_since.pop(record.digest, None) is not None:
+            self.entitlement.trust_again(record.synchronizer)
 
     async def fetch_contributions(self, record: RoundRecord) -> list[bytes] | None:
         """The signed contributions of `record`'s round, from its synchronizer (None: not served)."""

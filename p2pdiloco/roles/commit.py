@@ -336,9 +336,12 @@ class Committer:
         (`COMMITTED_ELSEWHERE` or `NOT_STORED`)."""
         if await self.committed_elsewhere(window.round, window.fragment):
             return COMMITTED_ELSEWHERE
+        # kept before the record is stored: a peer that reads the record at once may audit
+        # it at once (an out-of-line update it cannot verify is held, its synchronizer
+        # distrusted); kept for a record that did not get stored, they are never asked for
+        self.kept.put(window.round, window.fragment, [window.sealed[c.peer] for c in merged.result.candidates])
         if not await self._store_record(record):
             return NOT_STORED
-        self.kept.put(window.round, window.fragment, [window.sealed[c.peer] for c in merged.result.candidates])
         return ""
 
     async def _store_record(self, record: RoundRecord) -> bool:

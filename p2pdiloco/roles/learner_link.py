@@ -95,10 +95,11 @@ class LearnerLink:
         the first committed round, when free identities with a heartbeat are candidates
         too) is probed first, all at once, each within PROBE_S: an address nobody can
         reach costs the round one probe, not a whole call timeout."""
-        order = self.candidates(round_id, fragment)
+        skipped = self.skipped(round_id, fragment)
+        order = [p for p in self.candidates(round_id, fragment) if p not in skipped]
         entitlement = self.replicas.entitlement
         if entitlement.admission.synchronizers != "open":
-            return order[:MAX_CANDIDATES], []
+            return order[:MAX_CANDIDATES], skipped
         proven = entitlement.proven(fragment) or frozenset()
         head = order[:MAX_PROBED]
         unproven = [p for p in head if p not in proven and p != self.transport.peer_id]
@@ -106,7 +107,25 @@ class LearnerLink:
         dead = {p for p, reading in zip(unproven, readings, strict=True) if reading is None}
         if dead:
             log.info("skipped unreachable candidates round=%d fragment=%d count=%d", round_id, fragment, len(dead))
-        return [p for p in head if p not in dead][:MAX_CANDIDATES], [p for p in head if p in dead]
+        return [p for p in head if p not in dead][:MAX_CANDIDATES], [*skipped, *(p for p in head if p in dead)]
+
+    def skipped(self, round_id: int, fragment: int) -> list[str]:
+        """Live synchronizers a delta for (round, fragment) goes past, reported to the next
+        one as unreachable (so it neither moves the window back to them nor answers that
+        they are better placed): the synchronizer of a record this replica held past
+        `void_after_s` for this round (`ReplicaSync.withheld_by`: alive, it answers "late",
+        and only the round's next synchronizer may re-run it), and those this peer does not
+        elect because their out-of-line update could not be verified (`Entitlement.distrust`)."""
+        entitlement, members = self.replicas.entitlement, self.members()
+        withheld = self.replicas.withheld_by(fragment, round_id)
+        distrusted = sorted(p for p in members if entitlement.is_distrusted(p))
+        skipped = list(dict.fromkeys([withheld, *distrusted] if withheld else distrusted))
+        if withheld:
+            log.info(
+                "round held: delta sent past its synchronizer round=%d fragment=%d synchronizer=%s",
+                round_id, fragment, withheld[-8:],
+            )  # fmt: skip
+        return skipped
 
     async def contribute(self, fragment: int, target_round: int, frame: bytes) -> Outcome:
         """Send one CONTRIBUTION frame for `target_round`, bounded by `overall_timeout_s`."""
@@ -170,9 +189,13 @@ class LearnerLink:
             if record is not None and not self.replicas.entitlement.entitled(record):
                 record = None
             if status in (messages.MERGED, messages.LATE):
-                if record is not None and (record.round, record.fragment) == (target_round, fragment):
+                asked = (target_round, fragment)
+                of_this_round = record is not None and (record.round, record.fragment) == asked
+                if of_this_round:
                     await self.replicas.apply_committed(record)
-                else:
+                if not of_this_round or status == messages.LATE:
+                    # late: the swarm is past the round, maybe by several; follow the chain
+                    # to its head, not only to this round, or every next delta is late too
                     await self.replicas.sync_fragment(fragment)
                 record = self.replicas.committed(fragment, target_round) or record
                 status = self._status_by_record(record, status)
@@ -184,9 +207,14 @@ class LearnerLink:
         return Outcome("unreachable", target_round, fragment, reason=f"tried {len(tried)} synchronizers")
 
     def _status_by_record(self, record: RoundRecord | None, claimed: str) -> str:
-        """merged when the canonical record lists this peer, late when it does not."""
+        """merged when the canonical record lists this peer, late when it does not, or
+        when this replica holds the record's update unverified (`ReplicaSync.holds`): the
+        delta then waits in the local progress, and is resent to the round's re-run (if the
+        held update verifies after all, the record settles it merged, `round_settled`)."""
         if record is None:
             return claimed
+        if self.replicas.holds(record):
+            return messages.LATE
         return messages.MERGED if record.weight_of(self.transport.peer_id) is not None else messages.LATE
 
     async def _settle_by_record(
@@ -198,8 +226,8 @@ class LearnerLink:
         except TransportError:
             return None
         record = chain.get(round_id)
-        if record is None:
-            return None
+        if record is None or self.replicas.holds(record):
+            return None  # not committed, or held here unverified: the round is still open
         await self.replicas.sync_fragment(fragment, chain)
         status = self._status_by_record(record, messages.LATE)
         return Outcome(

@@ -211,6 +211,22 @@ class ReplicaSync:
             return ""
         return record.digest
 
+    def withheld_by(self, fragment: int, round_id: int) -> str:
+        """The synchronizer of the record of (round, fragment) that this replica may see
+        re-run (`supersedable`: held unverified, or unfetchable, past `void_after_s`), or "".
+
+        Its learners send their deltas for the round past it, as if it were unreachable:
+        alive, it answers them "late" (it is past the round on its own branch), and the
+        round's next synchronizer, which alone may re-run it, would never get a window."""
+        digest = self.supersedable(fragment, round_id)
+        record = self.chains[fragment].get(round_id)
+        return record.synchronizer if digest and record is not None else ""
+
+    def holds(self, record: RoundRecord) -> bool:
+        """Whether this replica holds `record`'s update unverified: it follows it only once
+        an audit says OK, so the record settles nothing yet."""
+        return self.audits.held(record) and self.state.applied_hashes[record.fragment].get(record.round) != record.hash
+
     def parent_hash(self, fragment: int, round_id: int) -> str | None:
         """The fragment's hash before round `round_id` on this replica (None if unknown)."""
         if round_id == 0:
@@ -318,6 +334,8 @@ class ReplicaSync:
         return await self.sync_fragment(fragment)
 
     async def _apply_record(self, record: RoundRecord) -> bool:
+        if not self.audits.retry_due(record):
+            return False  # held, and its next audit is not due yet (back-off)
         update = await self._fetch(record)
         if update is None:
             return False
@@ -330,10 +348,17 @@ class ReplicaSync:
             return self._refuse(record, f"update does not decode: {exc}")
         if self.audits.should_audit(record, norm):
             snapshot = await loop.run_in_executor(self.worker, self.state.export_fragment, record.fragment)
+            if (snapshot.round, snapshot.hash) != (record.round, record.parent):
+                # the replica moved meanwhile (a learner's call or another pass applied the
+                # round): a local race, not a reason to hold the update or distrust its
+                # synchronizer (the audit would say "not the round's parent")
+                return self.state.applied_hashes[record.fragment].get(record.round) == record.hash
             result = await self.audit(record, snapshot)
             if result.verdict == MISMATCH:
                 await self._convicted(record, result.reason)
                 return False
+            if result.verdict == OK:
+                self.audits.verified(record)
             if result.verdict != OK and self.audits.must_verify(record, norm):
                 self.audits.unverified(record, result.reason)
                 return False  # held: tried again next pass, re-run past void_after_s

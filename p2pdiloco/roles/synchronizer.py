@@ -182,7 +182,7 @@ class Synchronizer:
         tokens = clamp_tokens(checked.tokens, checked.steps, self.committer.max_tokens_per_step)
         refusal = window.machine.accept(caller, tokens, checked.steps, checked.step_time_s, time.monotonic())
         if refusal == "window is closing":
-            return self._late_reply(target, fragment, refusal)
+            return await self._reply_after_close(window)
         if refusal:
             return self._reject(target, fragment, refusal, caller)
         window.unreachable |= checked.unreachable
@@ -236,6 +236,22 @@ class Synchronizer:
             round_id, fragment, messages.LATE, reason=reason,
             record=record.sealed if record is not None and record.sealed else None,
         )
+
+    async def _reply_after_close(self, window: Window) -> bytes:
+        """The answer to a delta that arrived while its window was being committed, given
+        once the commit is over: `late` with the round's record, so the learner applies
+        the round at once and its next delta goes to the next one, or `no_quorum` when the
+        window ended without a commit here (the round is still open: the learner folds the
+        delta and sends it again). Answered at once, `late` carried no record yet (it was
+        not stored), and the learner's replica, which had nothing to follow, stayed at the
+        round until a round deadline passed, while the rest of the swarm went on.
+        """
+        if window.closing is not None:
+            await asyncio.wait({window.closing}, timeout=self.config.sync.round_deadline_s * 2)
+        committed = self.replicas.committed(window.fragment, window.round) is not None
+        if not committed and self.state.round_of(window.fragment) == window.round:
+            return self._reply(window, messages.NO_QUORUM, reason="window closed without a commit")
+        return self._late_reply(window.round, window.fragment, "window is closing")
 
     # --- windows ------------------------------------------------------------------------
 

@@ -26,6 +26,11 @@ class Entitlement:
         """Synchronizers proven to have published a false merge, with the round of the
         first proven lie: not elected again, and none of their records from then on count
         (earlier ones were applied and checked like any other)."""
+        self.distrusted: dict[str, float] = {}
+        """Synchronizers whose out-of-line update this peer could not verify (they did not
+        serve its contributions), with until when (DHT time): not elected here meanwhile.
+        Local, like its reason (a refusal cannot be proven to others): their records
+        still count as any other's, so nothing that forks depends on it."""
         self._chains: Sequence[dict[int, RoundRecord]] = ()
         self._proven: dict[tuple, frozenset[str]] = {}
         self._verdicts: dict[tuple[str, tuple[bytes, ...]], float | None] = {}
@@ -41,9 +46,25 @@ class Entitlement:
         """A false merge of `synchronizer` at `round_id` was proven."""
         self.banned[synchronizer] = min(round_id, self.banned.get(synchronizer, round_id))
 
+    def distrust(self, synchronizer: str, for_s: float) -> None:
+        """Do not elect `synchronizer` for `for_s` seconds: it did not let this peer
+        verify an update it must verify (issue 28, item 7)."""
+        if len(self.distrusted) >= MAX_VERDICTS:
+            self.distrusted.clear()
+        self.distrusted[synchronizer] = self.now() + for_s
+
+    def trust_again(self, synchronizer: str) -> None:
+        """The update that made us distrust `synchronizer` was verified after all."""
+        self.distrusted.pop(synchronizer, None)
+
+    def is_distrusted(self, peer: str) -> bool:
+        until = self.distrusted.get(peer)
+        return until is not None and self.now() < until
+
     def may_synchronize(self, beat: Heartbeat) -> bool:
-        """Whether the run entitles this live peer to be elected synchronizer."""
-        if beat.peer_id in self.banned:
+        """Whether the run entitles this live peer to be elected synchronizer (and this
+        peer does not distrust it: `distrust`)."""
+        if beat.peer_id in self.banned or self.is_distrusted(beat.peer_id):
             return False
         if self.admission.synchronizers == "open":
             return True
