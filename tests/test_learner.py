@@ -358,3 +358,40 @@ def test_no_delta_goes_to_a_round_the_swarm_closed_while_the_replica_cannot_foll
     ship(learner, 0)
     assert len(sent) == 2 and sent[1][1] == 1
 
+
+
+def test_a_delta_merged_by_a_record_nobody_serves_is_folded_resent_and_merged_once(
+    tiny_config, tiny_corpus
+) -> None:
+    """A synchronizer answers "merged" and withholds its update (issue 28, items 4 and
+    10): once the record settles nothing on the replica (`round_unsettled`: unfetchable
+    past `void_after_s`), the delta is folded and its work goes with the next delta to the
+    round's re-run, which books it merged once. Before, it stayed in flight for good."""
+    unsettled: set[tuple[int, int]] = set()
+    listed: dict[tuple[int, int], frozenset[str]] = {}
+    learner, state, sent = make_learner(tiny_config, tiny_corpus)
+    learner.round_unsettled = lambda f, r: (f, r) in unsettled
+    learner.contributors_of = lambda f, r: listed.get((f, r))
+    train(learner, 3)
+    ship(learner, 0)
+    sent[0][3].set_result(Outcome("merged", 0, 0, "withholder", 0.5))
+    learner.collect_outcomes()
+    train(learner, 1)
+    ship(learner, 0)
+    assert len(sent) == 1 and 0 in learner.book.in_flight, "booked merged: it waits for the take-over"
+    unsettled.add((0, 0))  # nobody served the update for void_after_s
+    learner.collect_outcomes()
+    assert 0 not in learner.book.in_flight and learner.progress.rounds_contributed == 0
+    ship(learner, 0)
+    assert len(sent) == 2 and sent[1][1] == 0, "resent to the round (its re-run)"
+    msg, _ = sent_delta(sent)
+    assert msg.meta["steps"] == 4, "the folded work goes with it"
+    sent[1][3].set_result(Outcome("merged", 0, 0, "next", 0.5))
+    unsettled.clear()  # the re-run's record, which every replica follows
+    learner.collect_outcomes()
+    listed[(0, 0)] = frozenset({"me"})
+    apply(state)
+    learner.take_over_updates()
+    learner.settle()
+    p = learner.progress
+    assert p.rounds_contributed == 1 and p.steps_contributed == 4

@@ -126,6 +126,7 @@ class JoinedPeer:
         self.learner = Learner(
             transport.peer_id, options.run, config, self.trainer, training.batches, self.state,
             self._submitter(), training.eval_set, on_event=emit, contributors_of=self.replicas.contributors_of,
+            round_unsettled=self.replicas.round_unsettled,
         )  # fmt: skip
         self._wire_events()
         self._tasks: list[asyncio.Task] = []

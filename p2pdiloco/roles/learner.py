@@ -103,6 +103,7 @@ class Learner:
         eval_set: list[torch.Tensor],
         on_event: Callable[[dict], None] = lambda event: None,
         contributors_of: ContributorsOf = lambda fragment, round_id: None,
+        round_unsettled: Callable[[int, int], bool] = lambda fragment, round_id: False,
     ) -> None:
         self.peer_id = peer_id
         self.config = config
@@ -112,6 +113,10 @@ class Learner:
         self.eval_set = eval_set
         self.on_event = on_event
         self.contributors_of = contributors_of
+        self.round_unsettled = round_unsettled
+        """Whether the record of (fragment, round) settles nothing on the replica, which is
+        still at that round (`ReplicaSync.round_unsettled`: its update held unverified, or
+        unfetchable past `void_after_s`)."""
         self.progress = LearnerProgress()
         self.book = DeltaBook(state.num_fragments)
         """Every shipped delta and its fate; the work ledger of each fragment."""
@@ -319,7 +324,18 @@ class Learner:
         # record listing it (a record that lists it later moves it out again)
         for fragment in self.book.undecided_past(time.monotonic(), self.config.sync.round_deadline_s):
             self._decide(fragment, FOLDED, self.book.in_flight[fragment].reply)
+        self._fold_unsettled_merges()
         self.settle()
+
+    def _fold_unsettled_merges(self) -> None:
+        """A delta answered `merged` by a record that settles nothing here (a synchronizer
+        that commits and withholds its update: nobody serves it for `void_after_s`) goes
+        back to the local work, to be resent to the round's re-run; were the update to
+        arrive after all, the record settles it merged (`settle`)."""
+        for fragment, item in list(self.book.in_flight.items()):
+            if item.reply == MERGED_REPLY and self.round_unsettled(fragment, item.target_round):
+                log.warning("merged by a record nobody serves round=%d fragment=%d", item.target_round, fragment)
+                self._decide(fragment, FOLDED, "record unfetchable")
 
     def _decide(self, fragment: int, kind: str, why: str = "", moved: bool = False) -> None:
         """Decide the delta on its way for `fragment` (`DeltaBook.decide`) and move what

@@ -208,12 +208,13 @@ class LearnerLink:
 
     def _status_by_record(self, record: RoundRecord | None, claimed: str) -> str:
         """merged when the canonical record lists this peer, late when it does not, or
-        when this replica holds the record's update unverified (`ReplicaSync.holds`): the
-        delta then waits in the local progress, and is resent to the round's re-run (if the
-        held update verifies after all, the record settles it merged, `round_settled`)."""
+        when the record settles nothing here (`ReplicaSync.unsettled`: its update held
+        unverified, or unfetchable past `void_after_s`): the delta then waits in the local
+        progress, and is resent to the round's re-run (if the update verifies or arrives
+        after all, the record settles it merged, `round_settled`)."""
         if record is None:
             return claimed
-        if self.replicas.holds(record):
+        if self.replicas.unsettled(record):
             return messages.LATE
         return messages.MERGED if record.weight_of(self.transport.peer_id) is not None else messages.LATE
 
@@ -226,8 +227,8 @@ class LearnerLink:
         except TransportError:
             return None
         record = chain.get(round_id)
-        if record is None or self.replicas.holds(record):
-            return None  # not committed, or held here unverified: the round is still open
+        if record is None or self.replicas.unsettled(record):
+            return None  # not committed, or it settles nothing here: the round is still open
         await self.replicas.sync_fragment(fragment, chain)
         status = self._status_by_record(record, messages.LATE)
         return Outcome(

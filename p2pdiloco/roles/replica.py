@@ -227,6 +227,24 @@ class ReplicaSync:
         an audit says OK, so the record settles nothing yet."""
         return self.audits.held(record) and self.state.applied_hashes[record.fragment].get(record.round) != record.hash
 
+    def unsettled(self, record: RoundRecord) -> bool:
+        """Whether `record` settles nothing here yet: its update is held unverified
+        (`holds`), or it could not be got by any means past `void_after_s`, by the rule
+        `supersedable` uses (a synchronizer that commits, answers "merged" and withholds
+        its frame). Its learners' deltas then stay local, to be resent to the round's
+        re-run; if the update arrives after all, the record settles them (`round_settled`).
+        An honest fetch that takes a few seconds is never this: only past `void_after_s`."""
+        if self.holds(record):
+            return True
+        return self.supersedable(record.fragment, record.round) == record.digest
+
+    def round_unsettled(self, fragment: int, round_id: int) -> bool:
+        """Whether this replica is still at (round, fragment) and its record settles nothing
+        (`unsettled`): a delta booked merged by it goes back to the local work (any thread:
+        dict reads)."""
+        record = self.chains[fragment].get(round_id)
+        return record is not None and self.unsettled(record)
+
     def parent_hash(self, fragment: int, round_id: int) -> str | None:
         """The fragment's hash before round `round_id` on this replica (None if unknown)."""
         if round_id == 0:
