@@ -287,6 +287,7 @@ def defence_cost(config, clean: RunFigures, rules) -> dict:
 
 NETWORK_ATTACKS: dict[str, str] = {
     # benchmark name: the tests/net/adversary.py attacks it runs, in order (comma-separated)
+    "none": "",  # a second clean swarm: the noise floor of every figure below
     "sybil_heartbeats": "sybil_heartbeats",
     "heartbeat_replay": "replayed_beats",
     "hijacked_rounds": "sybil_heartbeats,hijacked_rounds",
@@ -296,7 +297,7 @@ NETWORK_ATTACKS: dict[str, str] = {
     "forgeries": "forged_heartbeats,plain_values,fake_members,forged_records,bad_contributions,state_flood",
 }
 """Attacks a stranger runs over the network against real peer processes (attack_swarm.py)."""
-QUICK_NETWORK = ("sybil_heartbeats", "hijacked_rounds", "slow_bodies")
+QUICK_NETWORK = ("none", "sybil_heartbeats", "hijacked_rounds", "slow_bodies")
 
 
 def merge_attacks(config, corpus, eval_set, names: list[str]) -> tuple[dict, RunFigures, RunFigures]:
@@ -331,7 +332,7 @@ def network_attacks(names: list[str], quick: bool) -> tuple[dict, dict]:
     reference = attack_swarm.run_swarm(setting, None, print)
     attacks = {}
     for name in names:
-        attacked = attack_swarm.run_swarm(setting, NETWORK_ATTACKS[name], print)
+        attacked = attack_swarm.run_swarm(setting, NETWORK_ATTACKS[name] or None, print)
         attacks[name] = {**attack_swarm.attack_figures(attacked, reference), "where": "network (real processes)"}
     clean = {
         "setting": {**dataclasses.asdict(setting), "sets": setting.sets()},
@@ -388,9 +389,11 @@ def main() -> int:
             "loss_shift": (undefended.eval_loss - clean.eval_loss) / clean.eval_loss,
         },
         "defence_cost": cost,
-        "worst_loss_shift": max(a["loss_shift"] for a in attacks.values() if a["loss_shift"] is not None),
-        "worst_rounds_ratio": min(a["rounds_ratio"] for a in attacks.values()),
-        "honest_lost": sum(a["honest_lost"] for a in attacks.values()),
+        "worst_loss_shift": max(
+            a["loss_shift"] for n, a in attacks.items() if a["loss_shift"] is not None and n != "none"
+        ),
+        "worst_rounds_ratio": min(a["rounds_ratio"] for n, a in attacks.items() if n != "none"),
+        "honest_lost": sum(a["honest_lost"] for n, a in attacks.items() if n != "none"),
         "seconds": time.perf_counter() - started,
     }
     if args.json:
