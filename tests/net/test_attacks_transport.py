@@ -25,7 +25,7 @@ from .swarm_util import Events, applied, start_bootstrap, start_learners, wait_a
 pytestmark = pytest.mark.timeout(900)
 
 ROUND_WAIT_S = 300
-ATTACK_S = 150
+ATTACK_S = 75
 """The attack's length: room for 3 rounds on a loaded machine (the test waits for its end)."""
 ROUNDS_UNDER_ATTACK = 3
 ADVERSARY = Path(__file__).resolve().parent / "adversary.py"
