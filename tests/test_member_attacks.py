@@ -212,3 +212,26 @@ def test_a_record_closing_in_the_future_or_kept_longer_than_its_close_allows_is_
     sealed = seal_record(PEER, RUN, record(1, PEER.peer_id, [], closed_at=NOW - 1000))
     refusal = RULES.check(rounds_key(RUN, 0), record_subkey(1, PEER.peer_id), sealed, NOW + 3600, NOW)
     assert refusal is not None and "after its close" in refusal
+
+
+def test_aged_sybil_beats_do_not_pull_the_swarm_clock_once_the_chain_named_its_peers() -> None:
+    """30 free identities publish one beat each (a life of 240 s) and let it age: each
+    reads as a clock `age` seconds behind. Counted as votes, they pulled every honest
+    peer's swarm clock back by their age (measured: rounds per minute fell ~30% under 30
+    Sybils); only peers the chain named (or entitled, in a certified run) vote."""
+    from p2pdiloco.protocol.membership import swarm_offset_s
+
+    honest = [Identity.generate().peer_id for _ in range(3)]
+    sybils = [Identity.generate().peer_id for _ in range(30)]
+    opened = {p: (Heartbeat(peer_id=p, status="training", sent_at=NOW - 1.0, live_s=8.0), NOW + 60) for p in honest}
+    opened.update(
+        {p: (Heartbeat(peer_id=p, status="training", sent_at=NOW - 30.0, live_s=240.0), NOW + 269) for p in sybils}
+    )
+    assert swarm_offset_s(opened, NOW, honest[0]) <= -25.0  # the attack, counted as votes
+    entitlement = Entitlement(RUN, Admission(), lambda: NOW)
+    entitlement.follow([{0: record(0, honest[0], honest[1:])}])
+    assert swarm_offset_s(opened, NOW, honest[0], entitlement.votes_on_clock) == 0.0
+    # before the first record every beat votes (a run must be able to start)
+    fresh = Entitlement(RUN, Admission(), lambda: NOW)
+    fresh.follow([{}])
+    assert all(fresh.votes_on_clock(b) for b, _ in opened.values())

@@ -105,6 +105,7 @@ class JoinedPeer:
             auditor=Auditor(options.run, config, self.limits, self.state.fragments),
             audit_share=config.sync.audit_share,
         )
+        self.members.clock_voters = self.replicas.entitlement.votes_on_clock
         # the saved global state goes in before anyone takes a base from the replica (the
         # learner below), after ReplicaSync took the initial hashes its chains start from
         self.checkpoint_dir = concrete_dir(options)

@@ -330,18 +330,23 @@ def live_members(
     return live, {**rejected, **refused}
 
 
-def swarm_offset_s(opened: Opened, now: float, me: str) -> float:
+def swarm_offset_s(
+    opened: Opened, now: float, me: str, votes: Callable[[Heartbeat], bool] | None = None
+) -> float:
     """What to add to this peer's clock (reading `now`) to agree with the swarm: the
     median of the others' signed send times less `now`, this peer counted as one vote of
     0 (so one skewed peer moves nobody else), clamped to MAX_CLOCK_OFFSET_S, and 0 within
     CLOCK_DEADBAND_S. Only beats within that offset of live vote. A beat is read up to a
     period after it was sent, so the estimate runs a little behind; the dead band and
-    CLOCK_SLACK_S cover that."""
+    CLOCK_SLACK_S cover that. With `votes`, only the beats it accepts vote: a free
+    identity's beat, published once and left to age, would otherwise pull the median (and
+    every honest peer's clock) back by its age."""
     window = MAX_CLOCK_OFFSET_S + CLOCK_SLACK_S
     offsets = [0.0] + [
         b.sent_at - now
         for p, (b, expiration) in opened.items()
         if p != me and b.live_s > 0 and b.live_until(expiration) >= now - window and b.sent_at <= now + window
+        and (votes is None or votes(b))
     ]
     offsets.sort()
     middle = len(offsets) // 2

@@ -54,6 +54,9 @@ class Membership:
         self.config_hash = config_hash
         self.own_heartbeat = own_heartbeat
         self.on_event = on_event
+        self.clock_voters: Callable[[Heartbeat], bool] | None = None
+        """Whose signed send times set the swarm clock (`Entitlement.votes_on_clock`);
+        None: every live member's."""
         self.live: dict[str, Heartbeat] = {}
         self.rejected: dict[str, str] = {}
         """Member subkey -> why its heartbeat is ignored."""
@@ -99,7 +102,7 @@ class Membership:
         cache = self._verdicts
         opened, unsigned = open_members(self.run, records, local - MAX_CLOCK_OFFSET_S, cache)
         self._verdicts = {k: cache[k] for k in ((s, r[0]) for s, r in records.items()) if k in cache}
-        self.offset_s = swarm_offset_s(opened, local, self.transport.peer_id)
+        self.offset_s = swarm_offset_s(opened, local, self.transport.peer_id, self.clock_voters)
         live, refused = judge_members(opened, self.now(), self.config_hash)
         rejected = {**unsigned, **refused}
         for subkey, reason in rejected.items():

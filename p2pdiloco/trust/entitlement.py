@@ -89,6 +89,15 @@ class Entitlement:
             self._proven[key] = self._proven_in(chain)
         return self._proven[key] or None
 
+    def votes_on_clock(self, beat: Heartbeat) -> bool:
+        """Whether `beat`'s signed send time may set the swarm clock: in a certified run,
+        a peer entitled to synchronize; in an open run, a peer the chain named (anyone
+        before the first record). A free identity cannot move the swarm's clock."""
+        if self.admission.synchronizers != "open":
+            return self.may_synchronize(beat)
+        proven = self.proven_anywhere()
+        return not proven or beat.peer_id in proven
+
     def proven_anywhere(self) -> frozenset[str]:
         """Peers the canonical chain of any fragment shows reachable (the address book
         keeps them first; a hold is accepted from a synchronizer of any fragment)."""
