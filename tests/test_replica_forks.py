@@ -49,8 +49,10 @@ class Peer:
         self.transport = MemoryTransport(swarm.network)
         self.peer_id = self.transport.peer_id
         self.state = fresh_state()
+        self.voided: list[tuple[int, int]] = []
         self.replicas = ReplicaSync(
-            self.transport, RUN, self.state, self.members, LIMITS, swarm.worker, void_after_s=void_after_s
+            self.transport, RUN, self.state, self.members, LIMITS, swarm.worker, void_after_s=void_after_s,
+            on_event=lambda e: self.voided.append((e["fragment"], e["round"])) if e["event"] == "voided" else None,
         )
 
     def members(self) -> dict[str, Heartbeat]:
@@ -206,6 +208,7 @@ def test_a_round_nobody_can_serve_is_re_run_by_a_superseding_record_every_peer_f
         assert {p.hash() for p in swarm.live()} == {rerun.hash}
         for peer in swarm.live():
             assert (await peer.replicas.read_chain(0))[0].digest == rerun.digest
+            assert peer.voided == [(0, 0)]  # the re-run is counted once (the metric)
         # the synchronizer had applied the lost update: back on the network, it repairs to
         # the re-run (a state download), so there is one branch, not two
         assert synchronizer.hash() == lost.hash

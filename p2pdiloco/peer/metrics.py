@@ -251,7 +251,9 @@ class PeerMetrics:
         self.downloads = counter("p2pdiloco_state_downloads", "Fragment states downloaded.")
         self.audits = counter("p2pdiloco_audits", "Rounds recomputed, by verdict.", ["verdict"])
         self.convictions = counter("p2pdiloco_convictions", "False merges this peer proved.")
-        self.voided = counter("p2pdiloco_rounds_voided", "Committed rounds nobody could serve.")
+        self.voided = counter(
+            "p2pdiloco_rounds_voided", "Committed rounds a signed re-run replaced (nobody could serve or verify them)."
+        )
 
     def on_event(self, event: dict[str, Any]) -> None:
         """Count one event (any thread); a malformed one is skipped and logged at debug."""

@@ -39,7 +39,7 @@ from p2pdiloco import wire
 from p2pdiloco.outer.fragment import FragmentState, outer_update
 from p2pdiloco.outer.step import tensor_norm
 from p2pdiloco.protocol.membership import Heartbeat, learners, synchronizer_candidates
-from p2pdiloco.protocol.rounds import RoundRecord, canonical_chain, records_of, rounds_key
+from p2pdiloco.protocol.rounds import RoundRecord, canonical_chain, records_of, rounds_key, superseded_digests
 from p2pdiloco.roles.audits import Audits
 from p2pdiloco.roles.download import StateDownload
 from p2pdiloco.roles.serving import UpdateServer
@@ -128,6 +128,7 @@ class ReplicaSync:
         self.void: set[str] = set()
         """Digests of committed updates nobody could serve for `void_after_s`, or proven
         false, or that cannot be applied: skipped."""
+        self._reported_superseded: set[str] = set()
         self._unfetchable_since: dict[str, float] = {}
         """Digest -> when (monotonic) this replica first failed to get a committed update
         by any means: only ever lets this peer re-run the round (`supersedable`)."""
@@ -174,7 +175,17 @@ class ReplicaSync:
             open_run=self.open_run,
         )  # fmt: skip
         self.chains[fragment] = chain
+        self._report_superseded(records)
         return chain
+
+    def _report_superseded(self, records) -> None:  # noqa: ANN001 - RoundRecords just read
+        """A `voided` event, once per record, for each committed round a signed re-run
+        replaced (nobody could serve or verify its update): what the metrics count."""
+        superseded = superseded_digests(records, self.void_after_s)
+        for record in records:
+            if record.digest in superseded and record.digest not in self._reported_superseded:
+                self._reported_superseded.add(record.digest)
+                self.on_event({"event": "voided", "fragment": record.fragment, "round": record.round})
 
     @property
     def open_run(self) -> bool:
