@@ -30,8 +30,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from floods import victims_beats  # beside this script, as adversary.py imports us
+
 from p2pdiloco import wire
-from p2pdiloco.protocol.membership import Heartbeat, members_key, open_heartbeat, seal_heartbeat
+from p2pdiloco.protocol.membership import Heartbeat, members_key, seal_heartbeat
 from p2pdiloco.wire import messages
 
 DEFAULT_DURATION_S = 60.0
@@ -56,16 +58,6 @@ def _stop_requested() -> bool:
     return bool(path) and Path(path).exists()
 
 
-async def victims_beats(transport: Any, run: str, victims: list[str]) -> dict[str, Heartbeat]:
-    """The victims' signed heartbeats as the DHT holds them now."""
-    records = await transport.get(members_key(run))
-    beats = {}
-    for victim in victims:
-        if victim in records:
-            beat = open_heartbeat(run, victim, records[victim][0])
-            if isinstance(beat, Heartbeat):
-                beats[victim] = beat
-    return beats
 
 
 async def download_parts(
