@@ -22,19 +22,19 @@ from p2pdiloco.protocol.election import synchronizer_order
 from p2pdiloco.protocol.rounds import (
     MAX_LISTED_PEERS,
     MAX_RECORD_BYTES,
+    SUPERSEDE_AFTER_S,
+    UNPROVEN,
     RoundRecord,
     canonical_chain,
     decode_round_record,
     open_record,
     rank,
+    record_standing,
     record_subkey,
     records_of,
     seal_record,
-    superseded_digests,
-    UNPROVEN,
-    SUPERSEDE_AFTER_S,
-    record_standing,
     standing_key,
+    superseded_digests,
 )
 
 RUN = "rounds-test"

@@ -39,7 +39,13 @@ from p2pdiloco import wire
 from p2pdiloco.outer.fragment import FragmentState, outer_update
 from p2pdiloco.outer.step import tensor_norm
 from p2pdiloco.protocol.membership import Heartbeat, learners, synchronizer_candidates
-from p2pdiloco.protocol.rounds import RoundRecord, canonical_chain, records_of, rounds_key, superseded_digests
+from p2pdiloco.protocol.rounds import (
+    RoundRecord,
+    canonical_chain,
+    records_of,
+    rounds_key,
+    superseded_digests,
+)
 from p2pdiloco.roles.audits import Audits
 from p2pdiloco.roles.download import StateDownload
 from p2pdiloco.roles.serving import UpdateServer

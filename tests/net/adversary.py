@@ -24,6 +24,7 @@ import torch
 
 from p2pdiloco import compress, wire
 from p2pdiloco.identity import Identity
+from p2pdiloco.protocol.election import synchronizer_order
 from p2pdiloco.protocol.membership import (
     HEARTBEATS,
     PROTOCOL_VERSION,
@@ -31,8 +32,13 @@ from p2pdiloco.protocol.membership import (
     members_key,
     open_heartbeat,
 )
-from p2pdiloco.protocol.election import synchronizer_order
-from p2pdiloco.protocol.rounds import RoundRecord, open_record, record_subkey, rounds_key, seal_record
+from p2pdiloco.protocol.rounds import (
+    RoundRecord,
+    open_record,
+    record_subkey,
+    rounds_key,
+    seal_record,
+)
 from p2pdiloco.transport import make_transport
 from p2pdiloco.wire import messages
 from p2pdiloco.wire.contributions import (
