@@ -287,14 +287,9 @@ class Adversary:
 
     async def _victims_beats(self) -> dict[str, Heartbeat]:
         """The victims' heartbeats as the DHT holds them now (signed, as they wrote them)."""
-        records = await self.transport.get(members_key(self.run))
-        beats = {}
-        for victim in self.victims:
-            if victim in records:
-                beat = open_heartbeat(self.run, victim, records[victim][0])
-                if isinstance(beat, Heartbeat):
-                    beats[victim] = beat
-        return beats
+        from floods import victims_beats  # noqa: PLC0415 - beside this script
+
+        return await victims_beats(self.transport, self.run, self.victims)
 
     async def sybil_heartbeats(self, count: int = 30) -> dict:
         """Issue 28, item 12 and "measured on main": `count` free, valid identities beat as
