@@ -151,6 +151,23 @@ def test_an_open_run_elects_only_peers_the_chain_shows_reachable() -> None:
     assert len(synchronizer_candidates(alone, entitlement.may_synchronize, entitlement.proven(0))) == 30
 
 
+def test_a_rerun_elects_only_peers_the_rounds_own_ancestry_names() -> None:
+    """A held record of round 4 names a contributor no earlier round named. Electing that
+    peer to re-run round 4 made a record `record_standing` skips (its ancestry, rounds
+    0-3, never named it): round 4 then had no record at all (flaky `test_rerun_held`)."""
+    a, b, c, newcomer = (Identity.generate().peer_id for _ in range(4))
+    members = {p: Heartbeat(peer_id=p, status="training") for p in (a, b, c, newcomer)}
+    entitlement = Entitlement(RUN, Admission(), lambda: NOW)
+    chains = [{0: record(0, a, [b]), 1: record(1, a, [b]), 2: record(2, c, [newcomer])}]
+    entitlement.follow(chains)
+    assert synchronizer_candidates(members, entitlement.may_synchronize, entitlement.proven(0, 2)) == sorted([a, b])
+    assert newcomer in synchronizer_candidates(members, entitlement.may_synchronize, entitlement.proven(0, 3))
+    assert newcomer in entitlement.proven(0)  # the whole chain, as the address book keeps it
+    # a new chain dict of the same shape is read afresh (no stale cache by object id)
+    chains[0] = {0: record(0, a, [c]), 1: record(1, a, [c]), 2: record(2, b, [newcomer])}
+    assert entitlement.proven(0, 2) == frozenset({a, c})
+
+
 def test_certificates_are_verified_once_per_peer_and_certificate_not_at_every_election_step(monkeypatch) -> None:
     admission = Admission(synchronizers="certified", operator=OPERATOR.peer_id)
     cert = issue_certificate(OPERATOR, Certificate(RUN, PEER.peer_id, "synchronizer", NOW + 60))

@@ -23,7 +23,7 @@ from p2pdiloco.wire import messages
 
 VOID_AFTER_S = 0.5
 """How long a replica holds a round before it may be re-run (test scale)."""
-TIMEOUT_S = 30.0
+TIMEOUT_S = 60.0
 LIE_ROUND = 4
 
 
@@ -128,7 +128,9 @@ def test_a_live_synchronizer_refusing_audits_of_its_outsized_update_does_not_hal
             outcomes = await contribute_all(honest, LIE_ROUND)
             if messages.MERGED in {o.status for o in outcomes}:
                 break
-            assert time.monotonic() - started < 10 * VOID_AFTER_S, outcomes
+            # bounded, with room for a loaded machine: a re-run synchronizer may wait out its
+            # quorum deadline (5 s) once when the learners go past the liar a pass apart
+            assert time.monotonic() - started < 40 * VOID_AFTER_S, outcomes
             await asyncio.sleep(VOID_AFTER_S / 4)  # a learner's retry cadence, not a sync
         assert liar.peer_id not in {o.synchronizer for o in outcomes if o.status == messages.MERGED}
         for node in cluster.nodes.values():

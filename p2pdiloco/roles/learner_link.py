@@ -85,7 +85,7 @@ class LearnerLink:
         """Failover order of synchronizers for (round, fragment) in this peer's view: in an
         open run with committed rounds, only peers the canonical chain shows reachable."""
         entitlement = self.replicas.entitlement
-        members = synchronizer_candidates(self.members(), entitlement.may_synchronize, entitlement.proven(fragment))
+        members = synchronizer_candidates(self.members(), entitlement.may_synchronize, entitlement.proven(fragment, round_id))
         return synchronizer_order(self.run, round_id, fragment, members)
 
     async def reachable_candidates(self, round_id: int, fragment: int) -> tuple[list[str], list[str]]:
@@ -100,7 +100,7 @@ class LearnerLink:
         entitlement = self.replicas.entitlement
         if entitlement.admission.synchronizers != "open":
             return order[:MAX_CANDIDATES], skipped
-        proven = entitlement.proven(fragment) or frozenset()
+        proven = entitlement.proven(fragment, round_id) or frozenset()
         head = order[:MAX_PROBED]
         unproven = [p for p in head if p not in proven and p != self.transport.peer_id]
         readings = await asyncio.gather(*(self.transport.read_clock(p, PROBE_S) for p in unproven))

@@ -218,7 +218,7 @@ class Synchronizer:
         synchronizer whose heartbeat has not expired yet still finds a window here.
         """
         entitlement = self.replicas.entitlement
-        candidates = set(synchronizer_candidates(self.members(), entitlement.may_synchronize, entitlement.proven(fragment))) - unreachable
+        candidates = set(synchronizer_candidates(self.members(), entitlement.may_synchronize, entitlement.proven(fragment, round_id))) - unreachable
         candidates.add(self.peer_id)
         top = synchronizer_order(self.run, round_id, fragment, candidates)[0]
         return None if top == self.peer_id else top

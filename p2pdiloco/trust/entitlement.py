@@ -32,7 +32,7 @@ class Entitlement:
         Local, like its reason (a refusal cannot be proven to others): their records
         still count as any other's, so nothing that forks depends on it."""
         self._chains: Sequence[dict[int, RoundRecord]] = ()
-        self._proven: dict[tuple, frozenset[str]] = {}
+        self._proven: dict[tuple, tuple[dict[int, RoundRecord], frozenset[str]]] = {}
         self._verdicts: dict[tuple[str, tuple[bytes, ...]], float | None] = {}
         """(peer, certificates) -> expiry of its synchronizer certificate (None: refused),
         so an election step compares two floats instead of checking signatures."""
@@ -71,23 +71,33 @@ class Entitlement:
         expires_at = self._certificate_expiry(beat.peer_id, beat.certificates)
         return expires_at is not None and expires_at >= self.now()
 
-    def proven(self, fragment: int) -> frozenset[str] | None:
+    def proven(self, fragment: int, before: int | None = None) -> frozenset[str] | None:
         """In an open run, the peers the canonical chain of `fragment` shows reachable: the
         synchronizer and contributors of every canonical record this peer holds of it
         (records live an hour: the last hour's). None in a certified run, where the
         certificates decide, or before any record. It is the set the chain itself requires
         (`rounds.record_standing`: a record whose synchronizer its ancestry never named is
         skipped), so an elected synchronizer's record always counts; the whole hour, not
-        the last few rounds, so that peers whose reads lag a round agree on who is in it."""
+        the last few rounds, so that peers whose reads lag a round agree on who is in it.
+
+        With `before` (the round being elected), only records of earlier rounds count: the
+        ancestry of a record of that round. A record of the round itself that this peer
+        holds unverified (and whose re-run the election is for) names its own contributors,
+        who are no ancestors of the re-run: electing one of them made a record nobody
+        counts (a flaky failure of `test_rerun_held`, 1 run in ~60 under load)."""
         if self.admission.synchronizers != "open" or not 0 <= fragment < len(self._chains):
             return None
         chain = self._chains[fragment]
-        key = (fragment, id(chain), len(chain), max(chain, default=-1))
-        if key not in self._proven:
-            if len(self._proven) > 4 * len(self._chains):
+        head = max(chain, default=-1)
+        bound = head + 1 if before is None else min(before, head + 1)
+        # the chain dict itself is kept (not its id: a freed dict's id is reused by the next)
+        key = (fragment, len(chain), head, bound)
+        cached = self._proven.get(key)
+        if cached is None or cached[0] is not chain:
+            if len(self._proven) > 8 * len(self._chains):
                 self._proven.clear()
-            self._proven[key] = self._proven_in(chain)
-        return self._proven[key] or None
+            cached = self._proven[key] = (chain, self._proven_in(chain, bound))
+        return cached[1] or None
 
     def votes_on_clock(self, beat: Heartbeat) -> bool:
         """Whether `beat`'s signed send time may set the swarm clock: in a certified run,
@@ -104,9 +114,11 @@ class Entitlement:
         return frozenset().union(*(self.proven(f) or () for f in range(len(self._chains))))
 
     @staticmethod
-    def _proven_in(chain: dict[int, RoundRecord]) -> frozenset[str]:
+    def _proven_in(chain: dict[int, RoundRecord], before: int) -> frozenset[str]:
         peers: set[str] = set()
-        for record in chain.values():
+        for round_id, record in chain.items():
+            if round_id >= before:
+                continue
             peers.add(record.synchronizer)
             peers.update(c[0] for c in record.contributors)
         return frozenset(peers)
