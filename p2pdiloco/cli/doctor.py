@@ -6,7 +6,9 @@ the network: the transport's start time (and whether it joined the run's DHT), t
 against the run's peers (`Transport.read_clock`: hivemind's own DHT ping carries the
 peer's DHT time), the addresses it announces, and whether it can be dialled: a second,
 client-mode transport on this machine dials the first at its best announced address
-and calls it. Every network step has a deadline; `--offline` skips them.
+and calls it, and the run's peers are asked to dial it back (`peer.reachability`, what
+`join` asks; a warning too when it listens on loopback while they are elsewhere). Every
+network step has a deadline; `--offline` skips them.
 
 `join` runs the local checks before it trains (`preflight.raise_if_fatal`) and compares
 clocks with its initial peers once its transport is up (`check_clock_at_join`, 2 s).
@@ -43,6 +45,12 @@ from p2pdiloco.peer.preflight import (
     local_findings,
     render_findings,
     to_json,
+)
+from p2pdiloco.peer.reachability import (
+    check_reachability,
+    listen_warning,
+    peers_to_ask,
+    reach_finding,
 )
 
 log = logging.getLogger(__name__)
@@ -177,6 +185,11 @@ async def network_findings(
             findings.append(check_clock(await read_clocks(transport, ids), len(ids)))
         findings.append(check_addresses(transport.visible_maddrs(), peer.client_mode))
         findings.append(await self_dial(transport, open_transport, peer.client_mode))
+        listen = listen_warning(peer.host, initial)
+        findings += [listen] if listen is not None else []
+        if joined and not peer.client_mode:  # what `join` asks: can the run's peers dial us?
+            asked = peers_to_ask(transport, initial)
+            findings.append(reach_finding(await check_reachability(transport, asked)))
     finally:
         await transport.shutdown()
     return findings

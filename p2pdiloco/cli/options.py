@@ -17,7 +17,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from p2pdiloco.config import TRANSPORTS, PeerConfig, RunConfig, load_config
+from p2pdiloco.config import REACHABILITY, TRANSPORTS, PeerConfig, RunConfig, load_config
 from p2pdiloco.errors import ConfigError
 
 log = logging.getLogger("p2pdiloco")
@@ -115,6 +115,29 @@ def _add_network_flags(join: argparse.ArgumentParser) -> None:
     )
     add_peer_flag(
         join, "--client-mode", "behind NAT: outgoing connections only", action="store_true"
+    )
+    add_peer_flag(
+        join,
+        "--reachability",
+        "auto: ask peers to dial back, client mode if none can; public: serve; client",
+        choices=REACHABILITY,
+        metavar="{" + ",".join(REACHABILITY) + "}",
+    )
+    add_peer_flag(
+        join,
+        "--no-relay",
+        "no libp2p circuit relays (direct connections only)",
+        "use_relay",
+        action="store_const",
+        const=False,
+    )
+    add_peer_flag(
+        join,
+        "--no-auto-relay",
+        "in client mode, take no slot on a relay (nobody can reach this peer through one)",
+        "use_auto_relay",
+        action="store_const",
+        const=False,
     )
     add_peer_flag(join, "--identity", "Ed25519 key file (created if missing)", "identity_path")
     add_peer_flag(join, "--heartbeat-s", "seconds between heartbeats", type=float)

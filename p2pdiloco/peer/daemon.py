@@ -26,6 +26,7 @@ from p2pdiloco.peer.checkpoint_dir import concrete_dir
 from p2pdiloco.peer.clock import check_clock_at_join
 from p2pdiloco.peer.joined import JoinedPeer, run_on
 from p2pdiloco.peer.metrics import MetricsServer, PeerMetrics, Totals
+from p2pdiloco.peer.reachability import ASK_S, settle_reachability, wants_client_mode
 from p2pdiloco.training.ranks import follow_lead, join_ranks
 from p2pdiloco.transport.base import Transport
 from p2pdiloco.trust.admission import Admission
@@ -82,6 +83,13 @@ class PeerDaemon:
         try:
             self._on_loop(self.transport.start(), self.options.startup_timeout_s + 30)
             self._on_loop(check_clock_at_join(self.transport, self.options.initial_peers), 10)
+            # a peer nobody can dial goes on in client mode (peer.reachability): the
+            # questions, then perhaps a restart of the transport
+            self.config = self._on_loop(
+                settle_reachability(self.config, self.transport, self.emit),
+                ASK_S + self.options.startup_timeout_s + 30,
+            )
+            self.options = self.config.peer
             self.peer = JoinedPeer(
                 self.config, self.transport, self.loop, self.emit, ranks,
                 self.admission, self.certificates, self.on_progress,
@@ -139,7 +147,9 @@ def make_transport_for(
             initial_peers=initial,
             host=options.host,
             port=options.port,
-            client_mode=options.client_mode,
+            client_mode=wants_client_mode(options),
+            use_relay=options.use_relay,
+            use_auto_relay=options.use_auto_relay,
             identity_path=options.identity_path or None,
             announce_maddrs=list(options.announce_maddrs) or None,
             startup_timeout_s=options.startup_timeout_s,

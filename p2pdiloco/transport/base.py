@@ -40,6 +40,7 @@ from typing import ClassVar
 from p2pdiloco.errors import NetworkSetupError
 from p2pdiloco.identity import Identity
 from p2pdiloco.transport.ratelimit import ConcurrencyLimit
+from p2pdiloco.transport.traffic import Traffic
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +210,26 @@ class Transport(ABC):
         this transport cannot ask (never raises a TransportError)."""
         return None
 
+    # ---- reachability (transport/dialback.py, peer/reachability.py) ------------------
+
+    async def observed_addrs(self, peer_id: str) -> list[str]:
+        """Where `peer_id`'s open connections to this peer come from, as the network shows
+        them (multiaddrs without `/p2p/`); [] when there is none or this transport cannot
+        tell. Never raises."""
+        return []
+
+    async def dial_fresh(self, peer_id: str, maddrs: list[str], timeout_s: float) -> str | None:
+        """Open a new connection to `peer_id` at one of `maddrs` (never one already open),
+        which proves its identity, then close it: "" when one opened, why not when none
+        could, None when this peer could not tell (its own dialer failed or was too slow,
+        or this transport cannot dial back). Bounded by about `timeout_s`; never raises."""
+        return None
+
+    async def restart_as_client(self) -> bool:
+        """Go on in client mode (no DHT service, nobody expected to dial in), keeping the
+        identity and the registered handlers; False when this transport cannot switch."""
+        return False
+
 
 def check_response_size(response: bytes, max_response: int) -> bytes:
     """`response` as bytes, or ResponseTooLarge if it is over `max_response` bytes."""
@@ -250,6 +271,8 @@ class TransportBase(Transport):
         """Per served RPC, the requests it runs now."""
         self._ready = asyncio.Event()
         self._closed = False
+        self.traffic = Traffic()
+        """Payload bytes this peer moved, by category (`traffic.py`)."""
 
     @property
     def peer_id(self) -> str:
@@ -319,9 +342,20 @@ class TransportBase(Transport):
         check_size_limit("max_request_bytes", max_request_bytes)
         if name in self._handlers:
             raise ValueError(f"handler {name!r} is already registered")
-        self._handlers[name] = (handler, max_request_bytes)
+        self._handlers[name] = (self._metered(name, handler), max_request_bytes)
         self._in_flight[name] = self._new_limit()
         await self._serve_handler(name)
+
+    def _metered(self, name: str, handler: Handler) -> Handler:
+        """`handler`, counting the bytes it is served and answers in `traffic`."""
+
+        async def metered(caller: str, request: bytes) -> bytes:
+            response = await handler(caller, request)
+            if caller != self._peer_id:
+                self.traffic.served(name, len(request), len(response))
+            return response
+
+        return metered
 
     async def _serve_handler(self, name: str) -> None:
         """Make the handler just registered under `name` reachable (the fake: nothing to do)."""
@@ -342,9 +376,12 @@ class TransportBase(Transport):
         check_size_limit("max_response_bytes", max_response_bytes)
         try:
             async with asyncio.timeout(timeout_s):
-                return await self._call(peer_id, name, request, max_response_bytes)
+                response = await self._call(peer_id, name, request, max_response_bytes)
         except TimeoutError:
             raise CallTimeout(f"call {name} to {peer_id} timed out after {timeout_s}s") from None
+        if peer_id != self._peer_id:
+            self.traffic.call(name, len(request), len(response))
+        return response
 
     @abstractmethod
     async def _call(self, peer_id: str, name: str, request: bytes, max_response: int) -> bytes:

@@ -27,7 +27,7 @@ from hivemind.utils import get_dht_time
 from p2pdiloco.transport import framing
 from p2pdiloco.transport.base import ClockReading, PeerUnreachable, RemoteError
 from p2pdiloco.transport.hivemind_daemon import DhtDaemon
-from p2pdiloco.transport.hivemind_dht import RunRecordValidator, ping_for_time
+from p2pdiloco.transport.hivemind_dht import RunRecordValidator, dial_from_dht, ping_for_time
 from p2pdiloco.transport.networked import NetworkedTransport
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,9 @@ class HivemindTransport(NetworkedTransport):
             # hivemind's check spawns a second daemon and only parses RSA keys; ours are Ed25519.
             check_if_identity_free=False,
             identity_path=self.identity_path,
+            use_relay=self.use_relay,
+            # a relay slot only helps a peer nobody can dial directly
+            use_auto_relay=self.use_auto_relay and self._client_mode,
         )
         if self.record_rules is not None:
             options["record_validators"] = [RunRecordValidator(self.record_rules)]
@@ -77,6 +80,29 @@ class HivemindTransport(NetworkedTransport):
         await self._daemon.shutdown()
         with suppress(Exception):
             atexit.unregister(self._daemon.reap)
+
+    async def restart_as_client(self) -> bool:
+        """A DHT node cannot change mode, so the DHT process and p2pd start again in
+        client mode (same identity, handlers served again): others stop routing DHT
+        requests to a node they cannot dial."""
+        if self._client_mode:
+            return True
+        self._check_open()
+        self._ready.clear()
+        try:
+            await self._daemon.shutdown()
+            self._client_mode = True
+            await self._join()
+            for name in self._handlers:
+                await self._serve_handler(name)
+        except BaseException:
+            await self.shutdown()
+            raise
+        self._ready.set()
+        logger.info(
+            "transport_restarted kind=%s peer_id=%s client_mode=True", self.kind, self._peer_id
+        )
+        return True
 
     # ---- RPC -------------------------------------------------------------------------
 
@@ -127,6 +153,7 @@ class HivemindTransport(NetworkedTransport):
         self._check_open()
         dht = self._daemon.dht
         assert dht is not None
+        self.traffic.stored(key, len(value) + len(subkey))
         future = dht.store(
             key, bytes(value), expiration_time, subkey=subkey, return_future=True
         )
@@ -156,11 +183,13 @@ class HivemindTransport(NetworkedTransport):
         if found is None or not isinstance(found.value, dict):
             return {}  # absent, or a plain (subkey-less) record some other program wrote
         now = get_dht_time()
-        return {
+        records = {
             str(subkey): (item.value, float(item.expiration_time))
             for subkey, item in found.value.items()
             if isinstance(item.value, bytes) and item.expiration_time > now
         }
+        self.traffic.read(key, records)
+        return records
 
     def now(self) -> float:
         return get_dht_time()
@@ -180,6 +209,34 @@ class HivemindTransport(NetworkedTransport):
             future.cancel()
             return None
         return None if times is None else ClockReading(peer_id, *times)
+
+    # ---- reachability --------------------------------------------------------------
+
+    async def observed_addrs(self, peer_id: str) -> list[str]:
+        """p2pd's open connections to `peer_id`: their remote addresses."""
+        p2p = self._daemon.p2p
+        if p2p is None or self._closed:
+            return []
+        try:
+            peers = await asyncio.wait_for(p2p.list_peers(), 5)
+        except Exception:  # noqa: BLE001 - a dead or slow daemon: nothing observed
+            return []
+        return [str(a) for info in peers if info.peer_id.to_base58() == peer_id for a in info.addrs]
+
+    async def dial_fresh(self, peer_id: str, maddrs: list[str], timeout_s: float) -> str | None:
+        """A throwaway p2pd, started inside the DHT process (so the DHT process's
+        watchdog reaps it if this peer dies), dials `maddrs`; its handshake checks the id."""
+        dht = self._daemon.dht
+        if dht is None or self._closed:
+            return None
+        future = dht.run_coroutine(
+            partial(dial_from_dht, maddrs=list(maddrs), timeout_s=timeout_s), return_future=True
+        )
+        try:
+            return await asyncio.wait_for(_await(future), timeout_s + 5)  # type: ignore[return-value]
+        except Exception:  # noqa: BLE001 - a timeout or a dead DHT process: no verdict
+            future.cancel()
+            return None
 
 
 class _AsyncioStream:

@@ -1,9 +1,10 @@
 """What the hivemind transport runs inside hivemind's DHT process.
 
-hivemind keeps its DHT in a child process; two pieces of ours run there, through its
+hivemind keeps its DHT in a child process; three pieces of ours run there, through its
 public hooks: the validator that applies a run's record rules to every record stored or
-returned (`record_validators`), and a ping that reads another peer's DHT clock
-(`DHT.run_coroutine`). Kept apart from the transport, which runs in the peer's process.
+returned (`record_validators`), a ping that reads another peer's DHT clock, and the
+dial back of `reach.dial_back` (both `DHT.run_coroutine`). Kept apart from the
+transport, which runs in the peer's process.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import asyncio
 from hivemind.dht import DHT
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.proto import dht_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
@@ -65,3 +66,32 @@ async def ping_for_time(_dht: DHT, node, peer_id: str, timeout_s: float) -> tupl
     if not response.dht_time:
         return None
     return sent, float(response.dht_time), received
+
+
+async def dial_from_dht(_dht: DHT, _node, maddrs: list[str], timeout_s: float) -> str | None:
+    """In the DHT process: a throwaway p2pd (its own random key, listening nowhere, no
+    relay) dials `maddrs` as its bootstrap peers and stops: "" when a connection opened
+    (the handshake proved the peer id the addresses end with), "no connection" when p2pd
+    gave up on every address, None when it did not get that far in `timeout_s` (a slow
+    machine is not the asker's fault: no verdict).
+
+    A new daemon is a new connection: the one the asker opened to us would carry any
+    stream from our own daemon and prove nothing. Run here, under the DHT process, so
+    its watchdog kills this p2pd too if the peer dies mid-dial."""
+    try:
+        p2p = await P2P.create(
+            initial_peers=maddrs,
+            dht_mode="client",
+            no_listen=True,
+            auto_nat=False,
+            nat_port_map=False,
+            use_relay=False,
+            startup_timeout=timeout_s,
+        )
+    except P2PDaemonError as exc:
+        # p2pd prints this once it tried every address (refused, unreachable, wrong key)
+        return "no connection" if "failed to connect to bootstrap peers" in str(exc) else None
+    except Exception:  # noqa: BLE001 - our dialer failed, not the asker
+        return None
+    await p2p.shutdown()
+    return ""

@@ -3,8 +3,10 @@
 `MemoryNetwork` is the "internet": it routes calls between `MemoryTransport`s by peer id
 and holds one shared DHT table with expiration on an injectable clock. Faults are
 explicit: `kill(peer_id)` makes a peer unreachable, `suspend(peer_id)` makes calls to it
-hang until the caller's deadline (like SIGSTOP). It keeps the real transport's semantics
-(size limits, concurrency caps, deadlines, error types) but not its timing or chunking.
+hang until the caller's deadline (like SIGSTOP), and a peer in `behind_nat` refuses fresh
+connections (`dial_fresh`) while calls over the ones it opened still work. It keeps the
+real transport's semantics (size limits, concurrency caps, deadlines, error types) but
+not its timing or chunking.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class MemoryNetwork:
         self._suspended: set[str] = set()
         self._dht = RecordTable()
         self._identities: dict[str, Identity] = {}
+        self.behind_nat: set[str] = set()
+        """Peers no fresh connection reaches (`dial_fresh` fails): a NAT in front of them."""
 
     def new_peer_id(self) -> str:
         """A fresh, unique peer id (a real Ed25519 one: records on this network are signed)."""
@@ -139,15 +143,36 @@ class MemoryTransport(TransportBase):
             raise PeerUnreachable(f"peer {peer_id} went away during the call")
         return check_response_size(response, max_response)
 
+    async def observed_addrs(self, peer_id: str) -> list[str]:
+        return [f"/memory/{peer_id}"] if self.network._route(peer_id) is not None else []
+
+    async def dial_fresh(self, peer_id: str, maddrs: list[str], timeout_s: float) -> str | None:
+        remote = self.network._route(peer_id)
+        if remote is None:
+            return "no such peer"
+        if remote._client_mode or peer_id in self.network.behind_nat:
+            return "connection refused"
+        if not set(maddrs) & set(remote.visible_maddrs()):
+            return "nobody listens there"
+        while self.network.is_suspended(peer_id):  # frozen: the caller's deadline fires
+            await asyncio.sleep(0.01)
+        return ""
+
+    async def restart_as_client(self) -> bool:
+        self._client_mode = True
+        return True
+
     async def store(self, key: str, subkey: str, value: bytes, expiration_time: float) -> bool:
         self._check_open()
         if self._refused(key, subkey, value, expiration_time):
             return False
+        self.traffic.stored(key, len(value) + len(subkey))
         return self.network._store(key, subkey, value, expiration_time)
 
     async def get(self, key: str, latest: bool = True) -> dict[str, tuple[bytes, float]]:
         self._check_open()
         records = self.network._get(key)
+        self.traffic.read(key, records)
         return {s: r for s, r in records.items() if not self._refused(key, s, r[0], r[1])}
 
     def _refused(self, key: str, subkey: str, value: bytes, expiration_time: float) -> bool:

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 from p2pdiloco.identity import load_or_create_identity
 from p2pdiloco.transport.base import AddressInUse, TransportBase, TransportStartError
+from p2pdiloco.transport.dialback import DIAL_BACK, serve_dial_back
 from p2pdiloco.transport.ratelimit import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_PER_CALLER
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,11 @@ class NetworkedTransport(TransportBase):
     bootstrap, s. `dht_timeout_s`: bound on one store/get, s. `idle_timeout_s`: a stream
     that moves no byte for this long is dropped, s. `shutdown_timeout_s`: bound on each
     step of shutdown, s. `record_rules`: the run's record validator.
-    `max_in_flight` / `max_per_caller`: as for `TransportBase`.
+    `max_in_flight` / `max_per_caller`: as for `TransportBase`. `use_relay`: reach peers
+    through circuit relays and relay for others once found public; `use_auto_relay`: in
+    client mode, take a slot on a relay and announce the relayed address (hivemind's
+    options of the same names; docs/join.md, "NAT and reachability").
+    A started server-mode peer answers `reach.dial_back` (`dialback.py`).
     """
 
     listens_in_client_mode: ClassVar[bool] = False
@@ -75,8 +80,12 @@ class NetworkedTransport(TransportBase):
         record_rules: Any = None,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         max_per_caller: int = DEFAULT_MAX_PER_CALLER,
+        use_relay: bool = True,
+        use_auto_relay: bool = True,
     ) -> None:
         super().__init__(client_mode, max_in_flight, max_per_caller)
+        self.use_relay = use_relay
+        self.use_auto_relay = use_auto_relay
         self.initial_peers = list(initial_peers)
         self.host = host
         self.port = port
@@ -88,6 +97,11 @@ class NetworkedTransport(TransportBase):
         self.shutdown_timeout_s = shutdown_timeout_s
         self.record_rules = record_rules
         self._scratch_dir: str | None = None
+
+    async def start(self) -> None:
+        await super().start()
+        if not self._client_mode and DIAL_BACK not in self._handlers:
+            await serve_dial_back(self)
 
     async def _start(self) -> None:
         if self.listens_in_client_mode or not self._client_mode:
