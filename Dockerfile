@@ -27,7 +27,8 @@ RUN python3 -m venv /opt/venv \
     && PIP_FIND_LINKS="$PIP_FIND_LINKS" pip install ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} "torch==${TORCH_VERSION}"
 COPY pyproject.toml README.md LICENSE /src/
 COPY p2pdiloco /src/p2pdiloco
-RUN PIP_FIND_LINKS="$PIP_FIND_LINKS" pip install /src
+# both transports' stacks (extras since issue 29): the image serves either kind of run
+RUN PIP_FIND_LINKS="$PIP_FIND_LINKS" pip install "/src[hivemind,libp2p]"
 
 FROM ${BASE}
 RUN apt-get update && apt-get install -y --no-install-recommends libgmp10 && rm -rf /var/lib/apt/lists/* \

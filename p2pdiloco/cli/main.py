@@ -168,6 +168,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     config = load_config(args.config, [*base, *args.overrides, *transport_override(args), *extra])
     if args.peers < 1 or args.rounds < 1:
         raise ConfigError("--peers and --rounds must be >= 1")
+    from p2pdiloco.transport import require_stack
+
+    require_stack(config.network.transport)  # its extra installed, or one line naming it
     console = Console()
 
     def on_term(_signum, _frame) -> None:

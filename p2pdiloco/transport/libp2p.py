@@ -9,13 +9,15 @@ of p2pdiloco to it.
 - **RPC**: each call is one libp2p stream, protocol `/p2pdiloco/rpc/1/<name>`, framed by
   `framing.py` exactly as on hivemind (size limits, "continue", deadlines);
   `libp2p_streams.py` adapts py-libp2p's streams to it.
-- **Records**: a one-hop DHT of our own (`libp2p_records.py`, docs/transport.md): every
-  server peer keeps a `RecordTable`, and a record is stored on, and read from, the
-  server peers closest to its key among those this peer knows. Peers learn each other
-  through the bootstrap peers and a periodic exchange of known peers
-  (`libp2p_peers.py`; a peer named by another is probed before it counts). Every
-  record is checked with the run's rules when a peer asks to store it and when one
-  returns it, as hivemind's validators do.
+- **Records**: a Kademlia-routed DHT of our own (`libp2p_records.py`, docs/transport.md):
+  every server peer keeps a `RecordTable`, and a record is stored on, and read from, the
+  server peers closest to its key in the swarm, found by an iterative lookup
+  (`libp2p_routing.py`) over each peer's routing table (`libp2p_peers.py`: Kademlia
+  buckets, filled from the bootstrap peers, a periodic exchange of known peers and the
+  lookups; a peer named by another is probed before it counts). Records a peer stored
+  are republished to the peers closest to their keys now. Every record is checked with
+  the run's rules when a peer asks to store it and when one returns it, as hivemind's
+  validators do.
 - **Client mode**: no listening socket; the peer dials out, serves calls over the
   connections it opened, and keeps no records.
 
@@ -77,10 +79,13 @@ class Libp2pTransport(NetworkedTransport):
     def __init__(self, initial_peers: list[str], **options: Any) -> None:
         super().__init__(initial_peers, **options)
         self._bridge = TrioBridge("libp2p")
-        self._peers = SwarmPeers(self.initial_peers, self._call_peer, self.dht_timeout_s)
+        call_known = partial(self._call_peer, find=False)  # the routing's own calls never look up
+        self._peers = SwarmPeers(self.initial_peers, call_known, self.dht_timeout_s)
         self._records = RecordStore(
-            self._peers, self._call_peer, self._client_mode, self.record_rules, self.dht_timeout_s, self.now
+            self._peers, call_known, self._client_mode, self.record_rules, self.dht_timeout_s, self.now
         )
+        self._joined = trio.Event()
+        """Set (on the trio thread) once the bootstrap exchange answered."""
         self._reserved: dict[str, Handler] = {**self._records.handlers(), RECORDS_PEERS: self._peers.serve_peers}
         """The transport's own RPCs (a `~` name cannot collide with a run's)."""
         self._host: Any = None
@@ -91,7 +96,7 @@ class Libp2pTransport(NetworkedTransport):
         self._peer_id = self._peers.me = self.identity.peer_id
         try:
             await self._bridge.start(self._trio_main, self.startup_timeout_s)
-            await asyncio.wait_for(self._bridge.run(self._peers.bootstrap), self.startup_timeout_s)
+            await asyncio.wait_for(self._bridge.run(self._bootstrap), self.startup_timeout_s)
         except TimeoutError:
             if self._peers.bootstrap_error:
                 raise TransportStartError(
@@ -101,7 +106,8 @@ class Libp2pTransport(NetworkedTransport):
             raise TransportStartError(f"libp2p transport not started after {self.startup_timeout_s}s") from None
 
     async def _trio_main(self) -> None:
-        """The trio thread: run the host, serve the record RPCs, refresh the known peers."""
+        """The trio thread: run the host, serve the record RPCs, keep the routing table
+        fresh (exchanges, lookups of our own id) and republish our records."""
         seed = self.identity.key.private_bytes(
             serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
         )
@@ -116,6 +122,8 @@ class Libp2pTransport(NetworkedTransport):
                     self._set_handler(name)
                 self._maddrs = self._peers.maddrs = self._visible(host)
                 nursery.start_soon(self._peers.refresh_loop)
+                nursery.start_soon(self._records.republish_loop)
+                nursery.start_soon(self._self_lookups)
                 await self._bridge.serve(nursery)
         except OSError as exc:
             if "in use" in str(exc).lower():
@@ -127,6 +135,16 @@ class Libp2pTransport(NetworkedTransport):
                 scope.shield = True
                 with suppress(Exception):
                     await host.close()
+
+    async def _bootstrap(self) -> None:
+        await self._peers.bootstrap()
+        self._joined.set()
+
+    async def _self_lookups(self) -> None:
+        """Once joined, look up our own id now and periodically (our neighbours learn us,
+        we learn them), in the background: a start does not wait for it."""
+        await self._joined.wait()
+        await self._records.self_lookup_loop()
 
     def _visible(self, host: Any) -> list[str]:
         if self._client_mode:
@@ -180,12 +198,13 @@ class Libp2pTransport(NetworkedTransport):
             return await self._call_self(name, request, max_response)
         return await self._bridge.run(self._call_peer, peer_id, name, request, max_response)
 
-    async def _call_peer(self, peer_id: str, name: str, request: bytes, max_response: int) -> bytes:
-        """One call on the trio thread; raises TransportError subclasses (or TimeoutError)."""
-        remote = await self._connect(peer_id)
+    async def _call_peer(self, peer_id: str, name: str, request: bytes, max_response: int, find: bool = True) -> bytes:
+        """One call on the trio thread; raises TransportError subclasses (or TimeoutError).
+        `find`: look the peer up when no address of it is known."""
+        remote = await self._connect(peer_id, find)
         return await call_over_stream(self._host, remote, peer_id, name, request, max_response, self.idle_timeout_s)
 
-    async def _connect(self, peer_id: str) -> ID:
+    async def _connect(self, peer_id: str, find: bool) -> ID:
         try:
             remote = ID.from_base58(peer_id)
         except Exception:  # noqa: BLE001 - any malformed id
@@ -193,9 +212,11 @@ class Libp2pTransport(NetworkedTransport):
         if self._host.get_network().connections.get(remote):
             return remote
         addrs = self._addresses_of(remote)
-        if not addrs:
-            # a peer that joined since the last exchange
-            await self._peers.ask_around(min(self.idle_timeout_s, 10))
+        if not addrs and find:
+            # a peer our routing table does not hold: a lookup of its id ends at it (the
+            # peer closest to its own id), which answers and so becomes dialable
+            with trio.move_on_after(min(self.idle_timeout_s, 10)):
+                await self._records.lookup(peer_id)
             addrs = self._addresses_of(remote)
         if not addrs:
             raise PeerUnreachable(f"no known address for peer {peer_id}")
@@ -223,6 +244,7 @@ class Libp2pTransport(NetworkedTransport):
         self._check_open()
         if self._records.refusal(key, subkey, bytes(value), expiration_time):
             return False
+        self.traffic.stored(key, len(value) + len(subkey))
         try:
             return await asyncio.wait_for(
                 self._bridge.run(self._records.store, key, subkey, bytes(value), float(expiration_time)),
@@ -242,7 +264,9 @@ class Libp2pTransport(NetworkedTransport):
             logger.warning("dht_get_failed key=%s error=%r", key, exc)
             return {}
         now = self.now()  # checked with the rules as they arrived; drop what expired since
-        return {subkey: record for subkey, record in found.items() if record[1] > now}
+        records = {subkey: record for subkey, record in found.items() if record[1] > now}
+        self.traffic.read(key, records)
+        return records
 
     def now(self) -> float:
         return time.time()

@@ -1,12 +1,20 @@
 """Which server peers a libp2p peer knows, and how it learns them (on the trio thread).
 
-py-libp2p gives us streams but no peer discovery the one-hop record store can use
-(docs/transport.md), so peers learn each other themselves: from the bootstrap peers first,
-then by a periodic exchange of known peers (`~records.peers`). A peer counts as known only
-once it answered under its own, authenticated id (or called us, announcing its
-addresses); one that another peer merely named is a candidate, probed before it counts.
-Everything is bounded: known peers, candidates, peers shared in one exchange, probes at
-once; a known peer that keeps failing is forgotten.
+The known peers are this peer's Kademlia routing table: a peer is kept in the bucket of
+the length of the prefix its hash shares with ours (SHA-256 of the peer ids' text, the
+metric of the records' keys), at most `BUCKET_SIZE` per bucket. So a peer knows about
+`BUCKET_SIZE * log2(N)` of N peers, most of them near itself, and a lookup
+(`libp2p_routing.py`) walks towards any key in O(log N) hops; in a swarm of a few dozen
+every bucket has room and every peer knows every other. A full bucket keeps the peers it
+has (old peers that still answer are the likeliest to stay) until one fails.
+
+Peers learn each other from the bootstrap peers first, then by a periodic exchange of
+known peers (`~records.peers`) and by the lookups themselves (a peer learns who asks it,
+and asks the peers it is told of). A peer counts as known only once it answered under its
+own, authenticated id (or called us, announcing its addresses); one that another peer
+merely named is a candidate, probed before it counts. Everything is bounded: known peers,
+candidates, peers shared in one exchange, probes at once; a known peer that keeps failing
+is forgotten.
 
 A forgotten peer (or a candidate whose probe failed) is quarantined: for a while (doubling
 with each failure, capped) nobody can make us learn it again, neither by naming it nor by
@@ -17,12 +25,15 @@ dead replica, for ever).
 
 from __future__ import annotations
 
+import hashlib
+import heapq
 import logging
 import random
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import msgpack
 import multiaddr
@@ -42,6 +53,12 @@ RECORDS_PEERS = "~records.peers"
 REFRESH_S = 5.0
 """Period of the known-peers exchange."""
 MAX_KNOWN = 1024
+"""Known peers at most (all buckets together: a bound that buckets reach only past any
+real swarm)."""
+BUCKET_SIZE = 20
+"""Known peers per bucket (Kademlia's k)."""
+MAX_HEARD = 1024
+"""Addresses of peers met in lookups and not (yet) known, least recently used dropped."""
 MAX_SHARED = 64
 """Known peers sent in one exchange."""
 MAX_CANDIDATES = 256
@@ -59,6 +76,22 @@ MAX_EXCHANGE_RESPONSE = 16 << 20
 """Bytes one exchange's answer may carry."""
 EXCHANGE_FAULTS = (TransportError, TimeoutError, trio.TooSlowError, ValueError, TypeError, msgpack.UnpackException)
 """What an exchange with a peer that is gone, slow or lying raises."""
+
+
+@lru_cache(maxsize=1 << 16)
+def key_digest(text: str) -> int:
+    """The 256-bit position of a key or a peer id on the records' ring (SHA-256 of its text)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest(), "big")
+
+
+def distance(key: str, peer_id: str) -> int:
+    """Kademlia's XOR metric between a record key and a peer id (of their SHA-256 hashes)."""
+    return key_digest(key) ^ key_digest(peer_id)
+
+
+def bucket_of(me: str, peer_id: str) -> int:
+    """The bucket `peer_id` falls in from `me`: the length of their hashes' common prefix."""
+    return 256 - distance(me, peer_id).bit_length()
 
 
 @dataclass
@@ -108,22 +141,106 @@ class SwarmPeers:
         """Peers that failed: (failures so far, clock time their quarantine ends)."""
         self.recheck: list[str] = []
         """Callers that failed before: probed at the next refresh before they count."""
+        self.heard: OrderedDict[str, list[str]] = OrderedDict()
+        """Addresses of peers a lookup met and did not make known (about to be asked, or
+        answered into a full bucket): dialable, not counted."""
 
     def addresses_of(self, peer_id: str) -> list[str] | None:
-        """The addresses we know `peer_id` at (known or candidate), None if neither."""
+        """The addresses we know `peer_id` at (known, candidate or heard), None if none."""
         known = self.known.get(peer_id)
-        return known.maddrs if known is not None else self.candidates.get(peer_id)
+        if known is not None:
+            return known.maddrs
+        return self.candidates.get(peer_id) or self.heard.get(peer_id)
+
+    # ---- the routing table -----------------------------------------------------------
+
+    def has_room(self, peer_id: str) -> bool:
+        """Whether `peer_id` may become known: its bucket and the table have room."""
+        if len(self.known) >= MAX_KNOWN:
+            return False
+        bucket = bucket_of(self.me, peer_id)
+        return sum(1 for p in self.known if bucket_of(self.me, p) == bucket) < BUCKET_SIZE
+
+    def _admit(self, peer_id: str, maddrs: list[str]) -> bool:
+        """Make `peer_id` known at `maddrs` if it is, or if its bucket has room."""
+        entry = self.known.get(peer_id)
+        if entry is None and not self.has_room(peer_id):
+            return False
+        if entry is None:
+            self.known[peer_id] = Known(maddrs)
+        else:
+            entry.maddrs = maddrs
+        self.candidates.pop(peer_id, None)
+        self.heard.pop(peer_id, None)
+        return True
+
+    def closest_known(self, key: str, count: int, exclude: str = "") -> list[str]:
+        """The `count` known peers closest to `key` (not `exclude`), closest first."""
+        target = key_digest(key)
+        return heapq.nsmallest(
+            count, (p for p in self.known if p != exclude), key=lambda p: key_digest(p) ^ target
+        )
+
+    def named(self, item: object) -> tuple[str, list[str]] | None:
+        """(peer id, addresses) of one `[peer_id, [address, ...]]` another peer named,
+        None if malformed, this peer, or quarantined (addresses without `/p2p/`). A peer we
+        have addresses of keeps them: a third party does not move it elsewhere."""
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[1], list)):
+            return None
+        other, maddrs = item
+        if not isinstance(other, str) or other == self.me or self.quarantined(other):
+            return None
+        had = self.addresses_of(other)
+        if had:
+            return other, had
+        good = self._addresses(other, [f"{a}/p2p/{other}" for a in maddrs if isinstance(a, str)])
+        return (other, good) if good else None
+
+    def hear(self, peer_id: str, maddrs: list[str]) -> None:
+        """Remember where a lookup is about to ask `peer_id` (unless known already)."""
+        if peer_id in self.known or peer_id in self.candidates:
+            return
+        self.heard[peer_id] = maddrs
+        self.heard.move_to_end(peer_id)
+        while len(self.heard) > MAX_HEARD:
+            self.heard.popitem(last=False)
+
+    def answered(self, peer_id: str) -> None:
+        """`peer_id` answered a query under its own id: its probe passed (known if its
+        bucket has room), and a known one's failures start over."""
+        entry = self.known.get(peer_id)
+        if entry is not None:
+            entry.failures = 0
+            return
+        maddrs = self.candidates.get(peer_id) or self.heard.get(peer_id)
+        if maddrs and not self._admit(peer_id, maddrs) and peer_id in self.candidates:
+            self.heard[peer_id] = self.candidates.pop(peer_id)
+
+    def failed(self, peer_id: str) -> None:
+        """`peer_id` did not answer a query: a known peer is forgotten (and quarantined)
+        after MAX_FAILURES in a row, a candidate at once; a peer a lookup only heard of is
+        dropped, not quarantined: another peer may have named it at an address it made up,
+        and must not get an honest peer shunned that way."""
+        entry = self.known.get(peer_id)
+        if entry is not None:
+            entry.failures += 1
+            if entry.failures >= MAX_FAILURES:
+                self.forget(peer_id)
+        elif peer_id in self.candidates:
+            self.forget(peer_id)
+        else:
+            self.heard.pop(peer_id, None)
 
     async def serve_peers(self, caller: str, request: bytes) -> bytes:
         """Learn the caller (if it announces addresses) and share up to MAX_SHARED known peers."""
         announced = msgpack.unpackb(request, raw=False)
         if isinstance(announced, list) and announced:
-            self._learn(caller, announced)
+            self.learn(caller, announced)
         shared = [[p, k.maddrs] for p, k in self.known.items() if p != caller]
         random.shuffle(shared)
         return msgpack.packb(shared[:MAX_SHARED])
 
-    def _learn(self, peer_id: str, maddrs: object) -> None:
+    def learn(self, peer_id: str, maddrs: object) -> None:
         """Remember a server peer that called us under its own id, at the addresses it
         announced (well-formed ones that name it, bounded). One that failed before is
         ignored while quarantined, then only a candidate until a probe answers."""
@@ -135,9 +252,7 @@ class SwarmPeers:
                 self.candidates[peer_id] = good
                 self.recheck.append(peer_id)
             return
-        if peer_id in self.known or len(self.known) < MAX_KNOWN:
-            self.known[peer_id] = Known(good)
-            self.candidates.pop(peer_id, None)
+        self._admit(peer_id, good)
 
     def quarantined(self, peer_id: str) -> bool:
         """Whether `peer_id` failed recently enough not to be learned again yet."""
@@ -148,6 +263,7 @@ class SwarmPeers:
         """Drop a peer that failed (known or candidate) and quarantine it."""
         self.known.pop(peer_id, None)
         self.candidates.pop(peer_id, None)
+        self.heard.pop(peer_id, None)
         failures = self.strikes.pop(peer_id, (0, 0.0))[0] + 1
         hold_s = min(QUARANTINE_S * 2 ** min(failures - 1, 16), QUARANTINE_CAP_S)
         self.strikes[peer_id] = (failures, self.clock() + hold_s)
@@ -200,22 +316,19 @@ class SwarmPeers:
         returns the new candidates it named. Raises one of EXCHANGE_FAULTS."""
         with trio.fail_after(self.timeout_s):
             raw = await self.call(peer, RECORDS_PEERS, msgpack.packb(self.maddrs), MAX_EXCHANGE_RESPONSE)
-        if peer in self.candidates and len(self.known) < MAX_KNOWN:
-            self.known[peer] = Known(self.candidates.pop(peer))
+        if peer in self.candidates:
+            self.answered(peer)
         shared = msgpack.unpackb(raw, raw=False)
         fresh = []
         for item in shared[:MAX_SHARED] if isinstance(shared, list) else []:
-            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[1], list)):
+            named = self.named(item)
+            if named is None or len(self.candidates) >= MAX_CANDIDATES:
                 continue
-            other, maddrs = item
-            if other in self.known or other in self.candidates or len(self.candidates) >= MAX_CANDIDATES:
+            other, good = named
+            if other in self.known or other in self.candidates or not self.has_room(other):
                 continue
-            if not isinstance(other, str) or self.quarantined(other):
-                continue
-            good = self._addresses(other, [f"{a}/p2p/{other}" for a in maddrs if isinstance(a, str)])
-            if good:
-                self.candidates[other] = good
-                fresh.append(other)
+            self.candidates[other] = good
+            fresh.append(other)
         return fresh
 
     async def try_exchange(self, peer: str) -> bool:
@@ -231,7 +344,10 @@ class SwarmPeers:
         return True
 
     async def _probe_all(self, fresh: list[str]) -> None:
-        """Probe up to MAX_PROBES new candidates at once."""
+        """Probe up to MAX_PROBES new candidates at once; the others are dropped (named
+        again, they get another chance), so candidates never fill with peers nobody probes."""
+        for candidate in fresh[MAX_PROBES:]:
+            self.candidates.pop(candidate, None)
         async with trio.open_nursery() as nursery:
             for candidate in fresh[:MAX_PROBES]:
                 nursery.start_soon(self._probe, candidate)
@@ -241,13 +357,6 @@ class SwarmPeers:
             await self._exchange(candidate)
         except EXCHANGE_FAULTS:
             self.forget(candidate)
-
-    async def ask_around(self, within_s: float) -> None:
-        """One exchange with up to 3 known peers at once, bounded by `within_s` seconds."""
-        with trio.move_on_after(within_s):
-            async with trio.open_nursery() as nursery:
-                for peer in random.sample(list(self.known), min(3, len(self.known))):
-                    nursery.start_soon(self.try_exchange, peer)
 
     async def refresh_loop(self) -> None:
         """Every REFRESH_S, `refresh_once`."""
