@@ -379,6 +379,7 @@ class SimulateConfig:
 
 
 CORRUPTIONS = ("", "nan", "garbage")
+REACHABILITY = ("auto", "public", "client")
 
 
 @dataclass(frozen=True)
@@ -387,12 +388,34 @@ class NetworkConfig:
 
     transport: str = "hivemind"
     """hivemind (go-libp2p daemon, hivemind's DHT) or libp2p (py-libp2p, one process)."""
+    member_shards: int = 1
+    """DHT keys the heartbeats are split over (a power of two, at most 1024): each beat
+    reads one shard in a rotation, so a peer's membership cost is ~N / shards heartbeats
+    per period instead of N. About one shard per 16 expected peers (docs/scale.md); 1 for
+    a swarm of a few dozen."""
+
+    record_epoch_rounds: int = 0
+    """Rounds per DHT key of round records (0: one key per fragment, read whole). With N,
+    a replica reads the keys of its own epoch and the next (and those of the head the
+    heartbeats claim, when it is behind) and keeps the records it read, so a read brings
+    at most ~2N records, not the hour's (docs/scale.md)."""
 
     def __post_init__(self) -> None:
         _check(
             self.transport in TRANSPORTS,
             "network.transport",
             f"must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}",
+        )
+        shards = self.member_shards
+        _check(
+            isinstance(shards, int) and 1 <= shards <= 1024 and shards & (shards - 1) == 0,
+            "network.member_shards",
+            f"must be a power of two from 1 to 1024, got {shards!r}",
+        )
+        _check(
+            isinstance(self.record_epoch_rounds, int) and 0 <= self.record_epoch_rounds <= 4096,
+            "network.record_epoch_rounds",
+            f"must be from 0 to 4096, got {self.record_epoch_rounds!r}",
         )
 
 
@@ -429,6 +452,16 @@ class PeerConfig:
     """Addresses to announce instead of the listen ones (public IP behind port forwarding)."""
     client_mode: bool = False
     """Behind NAT: only outgoing connections; never elected synchronizer."""
+    reachability: str = "auto"
+    """auto: after joining, ask up to 3 initial peers to dial this one back, and go on as
+    a client-mode learner if none can; public: serve without asking; client: the same as
+    `client_mode` (docs/join.md, "NAT and reachability")."""
+    use_relay: bool = True
+    """Reach peers through libp2p circuit relays when a direct dial fails, and relay for
+    others once the daemon finds itself public (hivemind's `use_relay`)."""
+    use_auto_relay: bool = True
+    """In client mode: hold a slot on a relay (the initial peers) and announce the relayed
+    address, so others can reach this peer through it (hivemind's `use_auto_relay`)."""
     identity_path: str = ""
     """Ed25519 key file, created if missing, so the peer id survives restarts ("": a new id)."""
     heartbeat_s: float = 2.0
@@ -519,6 +552,7 @@ class PeerConfig:
             _at_least(self, f"peer.{name}", 0)
         _positive(self, "peer.checkpoint_every_s")
         _one_of(self, "peer.corrupt", CORRUPTIONS)
+        _one_of(self, "peer.reachability", REACHABILITY)
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,9 @@ from p2pdiloco.cli.panels import (
 )
 from p2pdiloco.cli.snapshot import HISTORY_ROUNDS, SwarmSnapshot
 from p2pdiloco.config import PeerConfig
-from p2pdiloco.protocol.membership import Heartbeat, live_members, members_key
+from p2pdiloco.protocol.membership import Heartbeat, live_members
 from p2pdiloco.protocol.rounds import RoundRecord, open_record, rank, rounds_key
+from p2pdiloco.roles.members import read_members
 from p2pdiloco.trust.admission import Admission
 
 __all__ = [
@@ -79,9 +80,13 @@ class Observer:
         admission: Admission | None = None,
         min_quorum: int = 1,
         max_grace_s: float = 0.0,
+        member_shards: int = 1,
+        record_epoch_rounds: int = 0,
     ) -> None:
         self.transport = transport
         self.run = run
+        self.member_shards = member_shards
+        self.record_epoch_rounds = record_epoch_rounds
         self.num_fragments = num_fragments
         self.keep_gone_s = keep_gone_s
         self.admission = admission or Admission()
@@ -106,9 +111,22 @@ class Observer:
         )
         return refusal is None
 
+    async def _read_records(self, fragment: int, beats) -> dict[str, tuple[bytes, float]]:  # noqa: ANN001
+        """The fragment's records: its one key, or (epochs) the two epochs up to the head
+        the live members claim (the screen shows the last rounds only)."""
+        size = self.record_epoch_rounds
+        if size <= 0:
+            return await self.transport.get(rounds_key(self.run, fragment))
+        head = max((b.rounds[fragment] for b in beats if len(b.rounds) > fragment), default=0)
+        keys = {rounds_key(self.run, fragment, r, size) for r in (max(head - size, 0), head)}
+        raw: dict[str, tuple[bytes, float]] = {}
+        for found in await asyncio.gather(*(self.transport.get(k) for k in sorted(keys))):
+            raw.update(found)
+        return raw
+
     async def refresh(self) -> SwarmSnapshot:
         now = self.transport.now()
-        records = await self.transport.get(members_key(self.run))
+        records = await read_members(self.transport, self.run, self.member_shards)
         live, _rejected = live_members(self.run, records, now)
         snap = self.snapshot
         snap.taken_at = now
@@ -123,7 +141,7 @@ class Observer:
         }
         snap.admission = {p: admission_label(self.admission, self.run, b, now) for p, b in snap.members.items()}
         for fragment in range(self.num_fragments):
-            raw = await self.transport.get(rounds_key(self.run, fragment))
+            raw = await self._read_records(fragment, snap.members.values())
             kept = self._records[fragment]
             for value, _expiration in raw.values():
                 record = open_record(self.run, value)

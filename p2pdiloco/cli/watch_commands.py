@@ -20,7 +20,11 @@ def _watched(args: argparse.Namespace) -> tuple[PeerConfig, int, str, dict[str, 
     on which transport, and how it reads the run (the manifest's admission when the run
     has one: uncertified records ignored, certified synchronizers shown; K; max grace)."""
     config, admission = observer_config(args)
-    view = {"admission": admission, "min_quorum": config.sync.min_quorum, "max_grace_s": config.sync.max_grace_s}
+    view = {
+        "admission": admission, "min_quorum": config.sync.min_quorum, "max_grace_s": config.sync.max_grace_s,
+        "member_shards": config.network.member_shards,
+        "record_epoch_rounds": config.network.record_epoch_rounds,
+    }  # fmt: skip
     return config.peer, config.sync.num_fragments, config.network.transport, view
 
 

@@ -150,7 +150,8 @@ class GlobalCheckpoint:
         """Store the restored chains' records in the DHT again where the swarm has nothing
         at or past them (after a full stop the DHT may have forgotten the run)."""
         for fragment, round_id in sorted(self.restored.items()):
-            key = rounds_key(self.run, fragment)
+            epochs = self.replicas.epoch_rounds
+            key = rounds_key(self.run, fragment, round_id, epochs)  # the restored head's
             present = records_of(self.run, await self.replicas.transport.get(key), fragment)
             ahead = [r for r, _ in present if r >= round_id]
             if ahead:
@@ -165,7 +166,7 @@ class GlobalCheckpoint:
                 for r in self.chains[fragment].values()
                 if (r.round, r.synchronizer) not in present
             ]
-            stored = await self._store_all(key, missing)
+            stored = await self._store_all(fragment, missing)
             log.info(
                 "records republished fragment=%d stored=%d of %d", fragment, stored, len(missing)
             )
@@ -173,13 +174,14 @@ class GlobalCheckpoint:
                 {"event": "republished", "fragment": fragment, "round": round_id, "records": stored}
             )
 
-    async def _store_all(self, key: str, records: Iterable[RoundRecord]) -> int:
-        transport = self.replicas.transport
+    async def _store_all(self, fragment: int, records: Iterable[RoundRecord]) -> int:
+        transport, epochs = self.replicas.transport, self.replicas.epoch_rounds
         gate = asyncio.Semaphore(REPUBLISH_CONCURRENCY)
 
         async def store(record: RoundRecord) -> bool:
             async with gate:
                 subkey = record_subkey(record.round, record.synchronizer)
+                key = rounds_key(self.run, fragment, record.round, epochs)
                 return await transport.store(
                     key, subkey, record.sealed, transport.now() + ROUND_RECORD_TTL_S
                 )

@@ -94,7 +94,8 @@ class JoinedPeer:
         training = build_training(config, transport.peer_id, ranks, self.limits, on_progress)
         self.state, self.trainer, self.device_name = training.state, training.trainer, training.device
         self.members = Membership(
-            transport, options.run, options.heartbeat_s, self.config_hash, self.own_heartbeat, emit
+            transport, options.run, options.heartbeat_s, self.config_hash, self.own_heartbeat, emit,
+            shards=config.network.member_shards,
         )
         split = SplitView(options.split_view_rounds, lambda: transport.peer_id, self.state.round_of)
         role_view = split.view(self.members.view) if options.split_view_rounds else self.members.view
@@ -103,7 +104,7 @@ class JoinedPeer:
             void_after_s=config.sync.round_deadline_s, on_event=emit,
             rivals_visible=split.rivals_visible, admission=admission,
             auditor=Auditor(options.run, config, self.limits, self.state.fragments),
-            audit_share=config.sync.audit_share,
+            audit_share=config.sync.audit_share, epoch_rounds=config.network.record_epoch_rounds,
         )
         self.members.clock_voters = self.replicas.entitlement.votes_on_clock
         # the saved global state goes in before anyone takes a base from the replica (the
@@ -133,6 +134,7 @@ class JoinedPeer:
         self._tasks: list[asyncio.Task] = []
         self._synced_once = False
         self._last_checkpoint = time.monotonic()
+        self._born = time.monotonic()
 
     def _submitter(self) -> Callable[[int, int, bytes], Future[Outcome]]:
         """The learner's way to the event loop: a contribution, with injected faults if asked."""
@@ -336,6 +338,10 @@ class JoinedPeer:
             "lost_steps": dict(p.lost_steps),
             "bytes_sent": p.bytes_sent,
             "bytes_received": self.bytes_received(),
+            # payload bytes by category at the transport interface, and over how long
+            # (what scripts/simulate_swarm.py compares its simulated peers with)
+            "traffic": self.transport.traffic.snapshot() if hasattr(self.transport, "traffic") else {},
+            "traffic_s": time.monotonic() - self._born,
             "latencies_s": p.latencies_s,
             "eval_loss": p.eval_loss,
             "hashes": [state.fragment_hash(f) for f in range(state.num_fragments)],

@@ -1,6 +1,7 @@
 """Heartbeat records: what each peer publishes about itself, and who is alive.
 
-Each peer stores one msgpack record under the DHT key `<run>/members`, subkey = its
+Each peer stores one msgpack record under the DHT key `<run>/members` (or, in a run
+split into `network.member_shards` shards, under its peer's shard key), subkey = its
 peer id, expiring after a few heartbeat periods. Live membership = the unexpired,
 well-formed records of a compatible protocol version; everything else is ignored and
 logged by the caller.
@@ -9,6 +10,7 @@ logged by the caller.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -38,8 +40,42 @@ ROLES = ("learner", "observer", "bootstrap")
 
 
 def members_key(run: str) -> str:
-    """The DHT key under which a run's heartbeats live."""
+    """The DHT key under which a run's heartbeats live (one shard: `network.member_shards` 1)."""
     return f"p2pdiloco/{run}/members"
+
+
+MAX_MEMBER_SHARDS = 1024
+"""Most shards a run's membership may be split into (a power of two)."""
+
+
+def member_shard(peer_id: str, shards: int) -> int:
+    """The shard a peer's heartbeat lives in (the same on every peer: a hash of its id)."""
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") % shards
+
+
+def member_shard_key(run: str, shard: int, shards: int) -> str:
+    """The DHT key of one membership shard; with one shard, the run's `members_key`.
+
+    The shard count is part of the key, so a record stored under another count is not
+    mistaken for this one's, and the record rules can check that each heartbeat lives in
+    its peer's shard (`shard_of_key`)."""
+    if shards <= 1:
+        return members_key(run)
+    return f"{members_key(run)}/{shards}/{shard}"
+
+
+def shard_of_key(run: str, key: str) -> tuple[int, int] | None:
+    """(shard, shards) of a membership shard key of `run`, or None for any other key."""
+    prefix = members_key(run) + "/"
+    if not key.startswith(prefix):
+        return None
+    parts = key[len(prefix):].split("/")
+    if len(parts) != 2 or not all(p.isdigit() and len(p) <= 4 for p in parts):
+        return None
+    shards, shard = int(parts[0]), int(parts[1])
+    if not (2 <= shards <= MAX_MEMBER_SHARDS and shards & (shards - 1) == 0 and 0 <= shard < shards):
+        return None
+    return shard, shards
 
 
 @dataclass(frozen=True)

@@ -49,9 +49,30 @@ SUPERSEDE_AFTER_S = 60.0
 its `sync.round_deadline_s`, the same on every peer of the run)."""
 
 
-def rounds_key(run: str, fragment: int) -> str:
-    """DHT key of a fragment's round records."""
-    return f"p2pdiloco/{run}/rounds/{fragment}"
+def rounds_key(run: str, fragment: int, round_id: int = 0, epoch_rounds: int = 0) -> str:
+    """DHT key of a fragment's round records: one key (`epoch_rounds` 0), or, in a run that
+    splits its records into epochs of `epoch_rounds` rounds (`network.record_epoch_rounds`),
+    the key of the epoch holding `round_id`: a read then brings an epoch's records, not the
+    hour's (docs/scale.md)."""
+    base = f"p2pdiloco/{run}/rounds/{fragment}"
+    if epoch_rounds <= 0:
+        return base
+    return f"{base}/{epoch_rounds}/{round_id // epoch_rounds}"
+
+
+MAX_EPOCH_ROUNDS = 4096
+
+
+def epoch_of_key(run: str, fragment: int, key: str) -> tuple[int, int] | None:
+    """(epoch_rounds, epoch) of an epoch key of `fragment`'s records, or None."""
+    prefix = rounds_key(run, fragment) + "/"
+    if not key.startswith(prefix):
+        return None
+    parts = key[len(prefix):].split("/")
+    if len(parts) != 2 or not all(p.isdigit() and len(p) <= 9 for p in parts):
+        return None
+    epoch_rounds, epoch = int(parts[0]), int(parts[1])
+    return (epoch_rounds, epoch) if 1 <= epoch_rounds <= MAX_EPOCH_ROUNDS else None
 
 
 def record_subkey(round_id: int, synchronizer: str) -> str:

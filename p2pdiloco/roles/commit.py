@@ -322,7 +322,7 @@ class Committer:
         """True when some synchronizer already committed (round, fragment) (failover race)."""
         if not self.rivals_visible(round_id):
             return False
-        raw = await self.transport.get(rounds_key(self.run, fragment))
+        raw = await self.transport.get(rounds_key(self.run, fragment, round_id, self.replicas.epoch_rounds))
         parent = self.replicas.parent_hash(fragment, round_id)
         rerun_of = self.replicas.supersedable(fragment, round_id)  # this peer re-runs it
         records = records_of(self.run, raw, fragment, self.replicas.entitlement.entitled).values()
@@ -348,7 +348,8 @@ class Committer:
         """Store the round's record. A DHT may answer "not stored" for a record that some of
         its nodes did keep (hivemind reports its last replica's answer), so a refusal is
         checked by reading the record back."""
-        key, subkey = rounds_key(self.run, record.fragment), record_subkey(record.round, self.peer_id)
+        key = rounds_key(self.run, record.fragment, record.round, self.replicas.epoch_rounds)
+        subkey = record_subkey(record.round, self.peer_id)
         if await self.transport.store(key, subkey, record.sealed, self.transport.now() + ROUND_RECORD_TTL_S):
             return True
         found = (await self.transport.get(key)).get(subkey)

@@ -21,7 +21,8 @@ from p2pdiloco.protocol.membership import (
     Heartbeat,
     judge_members,
     learners,
-    members_key,
+    member_shard,
+    member_shard_key,
     open_members,
     seal_heartbeat,
     swarm_offset_s,
@@ -32,6 +33,8 @@ log = logging.getLogger(__name__)
 
 BEAT_TIMEOUT_S = 30.0
 """Deadline of one heartbeat (a store and a read)."""
+MIN_SHARD_VOTES = 5
+"""Sharded membership: beats a shard must show before they re-estimate the swarm clock."""
 BARRIER_POLL_S = 0.25
 """How often the start barrier re-reads the membership."""
 
@@ -47,8 +50,16 @@ class Membership:
         config_hash: str,
         own_heartbeat: Callable[[], Heartbeat],
         on_event: Callable[[dict], None],
+        shards: int = 1,
     ) -> None:
         self.transport = transport
+        self.shards = max(1, shards)
+        """Membership shards of the run (`network.member_shards`): with more than one, a
+        beat reads one shard, in a rotation, and the view remembers what each shard showed
+        when last read (docs/scale.md)."""
+        self._remembered: dict[str, tuple[Heartbeat, int, float]] = {}
+        """Sharded: peer -> (its last live beat, its shard, local monotonic time read)."""
+        self._reads = 0
         self.run = run
         self.heartbeat_s = heartbeat_s
         self.config_hash = config_hash
@@ -87,28 +98,59 @@ class Membership:
         return view
 
     async def beat(self) -> None:
-        """Publish our heartbeat and refresh the view."""
-        key = members_key(self.run)
+        """Publish our heartbeat (in our shard) and refresh the view (from the next shard of
+        the rotation; the one key when the run is not sharded)."""
+        own = member_shard(self.transport.peer_id, self.shards)
         sealed, expiration = self.sealed_beat()
-        await self.transport.store(key, self.transport.peer_id, sealed, expiration)
-        records = await self.transport.get(key)
-        self.refresh(records)
+        await self.transport.store(
+            member_shard_key(self.run, own, self.shards), self.transport.peer_id, sealed, expiration
+        )
+        shard = self.next_shard()
+        records = await self.transport.get(member_shard_key(self.run, shard, self.shards))
+        self.refresh(records, shard)
 
-    def refresh(self, records: dict[str, tuple[bytes, float]]) -> None:
+    def next_shard(self) -> int:
+        """The shard this beat reads: a rotation through all of them, in an order of this
+        peer's own (an odd stride from its own shard), so readers spread over the shards."""
+        if self.shards == 1:
+            return 0
+        start = member_shard(self.transport.peer_id, self.shards)
+        stride = 2 * (member_shard("stride" + self.transport.peer_id, self.shards) // 2) + 1
+        self._reads += 1
+        return (start + (self._reads - 1) * stride) % self.shards
+
+    def refresh(self, records: dict[str, tuple[bytes, float]], shard: int = 0) -> None:
         """The live view from the members records read, at swarm time; the swarm offset is
         re-estimated from the send times the others signed (this peer's own beat left out:
-        it would vote for our own clock twice)."""
+        it would vote for our own clock twice). Sharded, the records are those of `shard`
+        only: the view keeps every other shard's peers as last read (`_remember`)."""
         local = self.transport.now()
         cache = self._verdicts
         opened, unsigned = open_members(self.run, records, local - MAX_CLOCK_OFFSET_S, cache)
         self._verdicts = {k: cache[k] for k in ((s, r[0]) for s, r in records.items()) if k in cache}
-        self.offset_s = swarm_offset_s(opened, local, self.transport.peer_id, self.clock_voters)
+        if self.shards == 1 or len(opened) >= MIN_SHARD_VOTES:
+            # a shard of a few beats re-estimates nothing: one stale beat (a peer that just
+            # left) would be half the vote and pull this peer's clock back by its age
+            self.offset_s = swarm_offset_s(opened, local, self.transport.peer_id, self.clock_voters)
         live, refused = judge_members(opened, self.now(), self.config_hash)
         rejected = {**unsigned, **refused}
         for subkey, reason in rejected.items():
             if subkey not in self.rejected:
                 log.warning("ignored member subkey=%s reason=%r", subkey[-8:], reason)
+        if self.shards > 1:
+            live = self._remember(live, shard)
         self.live, self.rejected = live, rejected
+
+    def _remember(self, live: dict[str, Heartbeat], shard: int) -> dict[str, Heartbeat]:
+        """Sharded view: the peers `shard` shows live now replace what it showed before;
+        other shards' peers stay as last read, for two rotations at most (a shard that
+        could not be read for that long is forgotten)."""
+        now = time.monotonic()
+        horizon = 2 * self.shards * self.heartbeat_s + 4 * self.heartbeat_s
+        kept = {p: r for p, r in self._remembered.items() if r[1] != shard and now - r[2] <= horizon}
+        kept.update({p: (b, shard, now) for p, b in live.items() if member_shard(p, self.shards) == shard})
+        self._remembered = kept
+        return {p: r[0] for p, r in kept.items()}
 
     async def beat_bounded(self) -> None:
         """`beat`, bounded; a failed beat is logged (the next one tries again)."""
@@ -155,3 +197,13 @@ class Membership:
             await self.beat_bounded()
             live = len(learners(self.view()))
         self.on_event({"event": "peers_ready", "live": live})
+
+
+async def read_members(transport: Transport, run: str, shards: int = 1) -> dict[str, tuple[bytes, float]]:
+    """Every membership record of the run: the one key, or all its shards at once (what an
+    observer or the dashboard reads; a learner reads one shard per beat)."""
+    keys = [member_shard_key(run, shard, shards) for shard in range(max(1, shards))]
+    merged: dict[str, tuple[bytes, float]] = {}
+    for records in await asyncio.gather(*(transport.get(key) for key in keys)):
+        merged.update(records)
+    return merged

@@ -29,8 +29,9 @@ from p2pdiloco import wire
 from p2pdiloco.backoff import backoff_delays, within
 from p2pdiloco.config import RunConfig
 from p2pdiloco.protocol.fragments import partition_fragments
-from p2pdiloco.protocol.membership import Heartbeat, live_members, members_key
+from p2pdiloco.protocol.membership import Heartbeat, live_members
 from p2pdiloco.protocol.rounds import RoundRecord
+from p2pdiloco.roles.members import read_members
 from p2pdiloco.roles.replica import ReplicaSync
 from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.training.model import build_model
@@ -57,13 +58,13 @@ def observer_state(config: RunConfig) -> GlobalState:
 class RunMembers:
     """The run's live membership as last read from the DHT (donors for the state download)."""
 
-    def __init__(self, transport: Transport, run: str) -> None:
-        self.transport, self.run = transport, run
+    def __init__(self, transport: Transport, run: str, shards: int = 1) -> None:
+        self.transport, self.run, self.shards = transport, run, shards
         self.view: dict[str, Heartbeat] = {}
 
     async def refresh(self) -> None:
         try:
-            records = await self.transport.get(members_key(self.run))
+            records = await read_members(self.transport, self.run, self.shards)
         except TransportError as exc:
             log.info("membership read failed: %r", exc)
             return
@@ -99,13 +100,14 @@ def observer_replica(
     the last ones is recomputed by its auditor before it is applied."""
     run = config.peer.run
     state = observer_state(config)
-    members = RunMembers(transport, run)
+    members = RunMembers(transport, run, config.network.member_shards)
     limits = wire.WireLimits()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name) as worker:
         replicas = ReplicaSync(
             transport, run, state, members, limits, worker,
             void_after_s=config.sync.round_deadline_s, admission=admission,
             auditor=Auditor(run, config, limits, state.fragments),
+            epoch_rounds=config.network.record_epoch_rounds,
         )  # fmt: skip
         yield state, members, replicas
 

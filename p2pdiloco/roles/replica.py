@@ -85,6 +85,11 @@ class ReplicaMoved(ValueError):
     """This replica is not (or no longer) at the update's parent: a local race, retried."""
 
 
+MAX_EPOCHS_PER_READ = 8
+"""With record epochs: most epochs one read fetches (a replica far behind catches up by the
+state download, which reads the head's epochs)."""
+
+
 class ReplicaSync:
     """Follows the canonical chain of every fragment for one peer, and composes the parts
     that serve, download and audit for it."""
@@ -103,8 +108,16 @@ class ReplicaSync:
         admission: Admission | None = None,
         auditor: Auditor | None = None,
         audit_share: float = 0.0,
+        epoch_rounds: int = 0,
     ) -> None:
         self.transport = transport
+        self.epoch_rounds = epoch_rounds
+        """Rounds per records key (`network.record_epoch_rounds`; 0: one key per fragment)."""
+        self._raw_records: list[dict[str, tuple[bytes, float]]] = [{} for _ in state.fragments]
+        self._epochs_read = [0 for _ in state.fragments]
+        """With epochs: per fragment, the replica's epoch at the last read (read again from there)."""
+        """With epochs: every record read so far (subkey -> sealed, expiration), until it
+        expires: the chain is computed over these, a read brings only the new epochs'."""
         self.run = run
         self.state = state
         self.members = members
@@ -173,7 +186,7 @@ class ReplicaSync:
 
     async def read_chain(self, fragment: int) -> dict[int, RoundRecord]:
         """The canonical chain of `fragment` from the DHT records (bounded by the transport)."""
-        raw = await self.transport.get(rounds_key(self.run, fragment))
+        raw = await self._read_records(fragment)
         records = records_of(self.run, raw, fragment, self.entitlement.entitled).values()
         chain = canonical_chain(
             self.run, records, self.genesis[fragment], frozenset(self.void),
@@ -183,6 +196,32 @@ class ReplicaSync:
         self.chains[fragment] = chain
         self._report_superseded(records)
         return chain
+
+    async def _read_records(self, fragment: int) -> dict[str, tuple[bytes, float]]:
+        """The fragment's records: its one key whole, or (with epochs) the keys of this
+        replica's epoch and the next, and of the head the live members claim when that is
+        further on, merged into the records read before (expired ones dropped)."""
+        if self.epoch_rounds <= 0:
+            return await self.transport.get(rounds_key(self.run, fragment))
+        size = self.epoch_rounds
+        ours = self.state.round_of(fragment) // size
+        # every epoch from the last one read on (a replica that advanced by a learner's
+        # reply still gets the records it skipped: the chain rules need the ancestry)
+        since = self._epochs_read[fragment]
+        epochs = set(range(max(since, ours - MAX_EPOCHS_PER_READ + 2), ours + 2))
+        claimed = [b.rounds[fragment] for b in self.members().values() if len(b.rounds) > fragment]
+        head = max(claimed, default=0) // size
+        if head > ours + 1:  # behind: the head's epochs too (the state download needs them)
+            epochs |= {head - 1, head}
+        self._epochs_read[fragment] = ours
+        keys = [rounds_key(self.run, fragment, epoch * size, size) for epoch in sorted(epochs)]
+        kept = self._raw_records[fragment]
+        for found in await asyncio.gather(*(self.transport.get(key) for key in keys)):
+            kept.update(found)
+        now = self.transport.now()
+        for subkey in [s for s, (_, expiration) in kept.items() if expiration < now]:
+            del kept[subkey]
+        return dict(kept)
 
     def _report_superseded(self, records) -> None:  # noqa: ANN001 - RoundRecords just read
         """A `voided` event, once per record, for each committed round a signed re-run

@@ -22,10 +22,12 @@ from p2pdiloco.config import MAX_FRAGMENTS
 from p2pdiloco.protocol.membership import (
     CLOCK_SLACK_S,
     heartbeat_expiry_refusal,
+    member_shard,
     members_key,
     open_heartbeat,
+    shard_of_key,
 )
-from p2pdiloco.protocol.rounds import open_record, record_subkey, rounds_key
+from p2pdiloco.protocol.rounds import epoch_of_key, open_record, record_subkey, rounds_key
 from p2pdiloco.trust.admission import Admission
 from p2pdiloco.trust.audit import NOTICE_TTL_S, notices_key, open_notice
 
@@ -60,6 +62,11 @@ class RunRecordRules:
             return "expiration is not a finite time"
         if key == members_key(self.run):
             return self._check_heartbeat(subkey, value, expiration, now)
+        shard = shard_of_key(self.run, key)
+        if shard is not None:
+            if member_shard(subkey, shard[1]) != shard[0]:
+                return "heartbeat stored in another peer's membership shard"
+            return self._check_heartbeat(subkey, value, expiration, now)
         if key == notices_key(self.run):
             if expiration > now + NOTICE_TTL_S + 300:
                 return "fraud notice expires too far ahead"
@@ -68,6 +75,13 @@ class RunRecordRules:
         for fragment in range(self.num_fragments):
             if key == rounds_key(self.run, fragment):
                 return self._check_record(fragment, subkey, value, expiration, now)
+            epoch = epoch_of_key(self.run, fragment, key)
+            if epoch is not None:
+                refusal = self._check_record(fragment, subkey, value, expiration, now)
+                # the subkey names the record's round (`_check_record` checked it does)
+                if refusal is None and int(subkey.split("/", 1)[0]) // epoch[0] != epoch[1]:
+                    return "round record stored under another epoch"
+                return refusal
         return "not a key of this run"
 
     def _check_heartbeat(self, subkey: str, value: object, expiration: float, now: float) -> str | None:

@@ -1,0 +1,615 @@
+"""A swarm of many peers in one process, on virtual time, running the real protocol code.
+
+Each simulated peer is wired as `peer.joined.JoinedPeer` wires a real one, minus the
+trainer: `Membership` (heartbeats), `ReplicaSync` (canonical chain, record rules via the
+transport, fetch, audits), `Synchronizer` (window machine, election, screening, merge,
+commit) and `LearnerLink` (election, failover), on a `SimTransport`: the in-memory
+transport, with a link model (`links.Link`: bandwidth queues, RTT, loss, NAT class) and
+a DHT that keeps each key on its `DHT_REPLICAS` closest peers. What a trainer would do
+is a compute model: a learner takes `inner_steps` steps at its own speed, then ships one
+delta per fragment (a real CONTRIBUTION frame of a small model) and goes on computing,
+as the real learner does; a delta no round merged is folded into the next one.
+
+Time is virtual (`virtual_time.run_virtual`): the roles' deadlines, heartbeats and holds
+run on the simulated clock; CPU work costs no simulated time. Bytes are counted by the
+same `transport.traffic.Traffic` a real peer counts with, so a figure here and one from
+real processes are the same quantity. Delta, update and state bytes are those of the
+small model times `payload_scale` (the byte ratio of the preset simulated to the small
+model), charged on the links as such.
+
+Left out on purpose: the DHT's own routing traffic (a lookup is charged its round trips
+and ~200 bytes per hop, not hivemind's exact messages), TCP slow start, and relays' own
+load beyond their bandwidth (`docs/scale.md`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import logging
+import math
+import random
+import statistics
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from p2pdiloco import __version__, compress, identity, wire
+from p2pdiloco.config import RunConfig, config_hash, replace
+from p2pdiloco.protocol import membership, rounds
+from p2pdiloco.protocol.membership import Heartbeat
+from p2pdiloco.roles.learner_link import LearnerLink
+from p2pdiloco.roles.members import Membership
+from p2pdiloco.roles.replica import ReplicaSync
+from p2pdiloco.roles.state import GlobalState
+from p2pdiloco.roles.synchronizer import Synchronizer
+from p2pdiloco.sim.links import PUBLIC, RELAYED, Link, Population
+from p2pdiloco.sim.virtual_time import InlineExecutor, VirtualClock, run_virtual
+from p2pdiloco.transport.base import PeerUnreachable, TransportError
+from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
+from p2pdiloco.transport.traffic import CATEGORIES, PROTOCOL, rpc_category
+from p2pdiloco.trust import record_rules
+from p2pdiloco.trust.record_rules import RunRecordRules
+from p2pdiloco.wire import messages
+
+log = logging.getLogger(__name__)
+
+RUN = "sim"
+DHT_REPLICAS = 5
+"""Peers that keep each DHT key (hivemind's default `num_replicas`... of the closest)."""
+LOOKUP_BYTES = 200
+"""Bytes one DHT lookup hop costs each way (a find-node request and its answer)."""
+PAYLOAD = ("deltas", "updates", "state", "audits")
+PARAMS = 1024
+"""Parameters of the small model whose frames the simulated peers really encode."""
+DRAIN_DEADLINES = 1.5
+"""Round deadlines the learners' last deltas get to merge after they stop computing."""
+
+
+def _distance(key: str, peer: str) -> int:
+    a = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
+    b = int.from_bytes(hashlib.sha256(peer.encode()).digest()[:8], "big")
+    return a ^ b
+
+
+class SimNetwork(MemoryNetwork):
+    """The in-memory network with links: transfers queue on each peer's uplink and the
+    other's downlink, take half a round trip to arrive, and lose time to loss; DHT keys
+    live on their closest peers, whose links carry every store and read."""
+
+    def __init__(self, clock: VirtualClock, payload_scale: float = 1.0) -> None:
+        super().__init__(clock.wall)
+        self.vclock = clock
+        self.links: dict[str, Link] = {}
+        self.payload_scale = payload_scale
+        self.up_free: dict[str, float] = defaultdict(float)
+        self.down_free: dict[str, float] = defaultdict(float)
+        self.key_bytes: dict[str, float] = defaultdict(float)
+        """Bytes each DHT key moved on its replicas' links (stores in, reads out)."""
+        self.peer_bytes: dict[str, float] = defaultdict(float)
+        """Bytes every peer's links carried, serving the DHT and others included."""
+        self.served_dht: dict[str, float] = defaultdict(float)
+        self.on_line: list[str] = []
+        self._replicas: dict[str, list[str]] = {}
+
+    def charged(self, category: str, size: int) -> float:
+        return size * self.payload_scale if category in PAYLOAD else float(size)
+
+    def rtt(self, a: str, b: str) -> float:
+        la, lb = self.links.get(a), self.links.get(b)
+        rtt = ((la.rtt_s if la else 0.0) + (lb.rtt_s if lb else 0.0)) / 2
+        if la is not None and lb is not None and RELAYED in (la.nat, lb.nat):
+            rtt *= 2  # through a relay: one more leg each way
+        return rtt
+
+    async def transfer(self, src: str, dst: str, size: float) -> None:
+        """Move `size` bytes from `src` to `dst`: FIFO on src's uplink and dst's downlink."""
+        if src == dst or size <= 0:
+            return
+        ls, ld = self.links.get(src), self.links.get(dst)
+        rate = min(ls.up_bps if ls else math.inf, ld.down_bps if ld else math.inf)
+        now = self.vclock.elapsed_s
+        start = max(now, self.up_free[src], self.down_free[dst])
+        busy = size / rate if rate < math.inf else 0.0
+        loss = max(ls.loss if ls else 0.0, ld.loss if ld else 0.0)
+        finish = start + busy * (1 + 2 * loss)  # a lost segment costs a resend
+        self.up_free[src] = self.down_free[dst] = finish
+        self.peer_bytes[src] += size
+        self.peer_bytes[dst] += size
+        delay = finish - now + self.rtt(src, dst) / 2
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    def replicas_of(self, key: str) -> list[str]:
+        cached = self._replicas.get(key)
+        if cached is None or any(p not in self._peers for p in cached):
+            cached = sorted(self.on_line, key=lambda p: _distance(key, p))[:DHT_REPLICAS]
+            self._replicas[key] = cached
+        return cached
+
+    def lookup_hops(self) -> int:
+        return max(1, math.ceil(math.log2(max(len(self.on_line), 2)) / 4))
+
+
+class SimTransport(MemoryTransport):
+    """A peer on a `SimNetwork`: the in-memory transport, its calls and records charged
+    to the links (and counted in `traffic`, as a real transport counts them)."""
+
+    network: SimNetwork
+
+    async def _call(self, peer_id: str, name: str, request: bytes, max_response: int) -> bytes:
+        net = self.network
+        category = rpc_category(name)
+        remote = net._route(peer_id)
+        if remote is None or remote.client_mode:  # gone, or takes no inbound connection
+            await asyncio.sleep(net.rtt(self.peer_id, peer_id) * 2)  # a dial that gets nothing
+            raise PeerUnreachable(f"peer {peer_id} is unreachable")
+        await net.transfer(self.peer_id, peer_id, net.charged(category, len(request)))
+        response = await super()._call(peer_id, name, request, max_response)
+        await net.transfer(peer_id, self.peer_id, net.charged(category, len(response)))
+        if net._route(peer_id) is not remote:
+            raise PeerUnreachable(f"peer {peer_id} went away during the call")
+        return response
+
+    async def _lookup(self, key: str) -> list[str]:
+        net = self.network
+        for _ in range(net.lookup_hops()):
+            await asyncio.sleep(net.rtt(self.peer_id, net.on_line[0]) if net.on_line else 0.0)
+        return net.replicas_of(key)
+
+    async def store(self, key: str, subkey: str, value: bytes, expiration_time: float) -> bool:
+        self._check_open()
+        replicas = await self._lookup(key)
+        size = len(value) + len(subkey)
+        net = self.network
+        await asyncio.gather(*(net.transfer(self.peer_id, r, size) for r in replicas))
+        for r in replicas:
+            net.served_dht[r] += size
+        net.key_bytes[key] += size * len(replicas)
+        return await super().store(key, subkey, value, expiration_time)
+
+    async def get(self, key: str, latest: bool = True) -> dict[str, tuple[bytes, float]]:
+        self._check_open()
+        replicas = await self._lookup(key)
+        records = await super().get(key, latest)
+        size = sum(len(v) + len(s) for s, (v, _) in records.items())
+        net = self.network
+        if replicas:
+            source = replicas[hash((self.peer_id, net.vclock.elapsed_s)) % len(replicas)]
+            await net.transfer(source, self.peer_id, size + LOOKUP_BYTES)
+            net.served_dht[source] += size
+        net.key_bytes[key] += size
+        return records
+
+
+class SharedVerdicts(Membership):
+    """`Membership` whose heartbeat signature verdicts are shared by every simulated peer
+    (a verdict depends on the bytes only; bytes moved are counted per peer all the same).
+    It saves a thousand peers verifying the same thousand signatures each."""
+
+    shared: dict = {}
+
+    def refresh(self, records: dict[str, tuple[bytes, float]], shard: int = 0) -> None:
+        self._verdicts = SharedVerdicts.shared
+        super().refresh(records, shard)
+        if len(self._verdicts) > 4 * len(SharedVerdicts.shared) + 10_000:
+            SharedVerdicts.shared.clear()
+        SharedVerdicts.shared.update(self._verdicts)
+
+
+@dataclass
+class SimPeer:
+    """One simulated peer: the real roles on a `SimTransport`, plus a compute model."""
+
+    transport: SimTransport
+    link: Link
+    config: RunConfig
+    state: GlobalState
+    members: Membership
+    replicas: ReplicaSync
+    synchronizer: Synchronizer
+    learner_link: LearnerLink
+    joined_at: float = 0.0
+    tokens_computed: int = 0
+    tokens_merged: int = 0
+    steps_done: int = 0
+    in_flight_tokens: int = 0
+    pending_tokens: dict[int, int] = field(default_factory=dict)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    @property
+    def peer_id(self) -> str:
+        return self.transport.peer_id
+
+
+def small_state(config: RunConfig) -> GlobalState:
+    fragments = config.sync.num_fragments
+    params = {f"p{f}": torch.zeros(PARAMS // fragments) for f in range(fragments)}
+    return GlobalState(params, [[f"p{f}"] for f in range(fragments)], config.outer)
+
+
+@dataclass
+class SwarmFigures:
+    """What one simulated run measured (per peer figures over the measured span)."""
+
+    n: int
+    seconds: float
+    protocol_bytes_per_s_per_peer: dict[str, float]
+    by_role: dict[str, dict[str, float]]
+    by_category: dict[str, dict[str, float]]
+    busiest_key_bytes_per_s: float
+    busiest_key: str
+    busiest_peer_bytes_per_s: float
+    round_latency_s: float
+    rounds: int
+    goodput: float
+    stalls: int
+    forks: int = 0
+    """(round, fragment) pairs two peers applied with different hashes (must stay 0)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class Swarm:
+    """N simulated peers sharing one `SimNetwork` (build, run, measure)."""
+
+    def __init__(
+        self,
+        n: int,
+        config: RunConfig,
+        population: Population,
+        seed: int = 0,
+        payload_scale: float = 1.0,
+        tokens_per_step: int = 1024,
+        step_times_s: list[float] | None = None,
+    ) -> None:
+        self.n = n
+        self.step_times_s = step_times_s
+        """Per peer (cycled), seconds per inner step instead of the population's draw
+        (the agreement check gives the real learners' measured step times)."""
+        self.config = config
+        self.population = population
+        self.rng = random.Random(seed)
+        self.clock = VirtualClock()
+        self.network = SimNetwork(self.clock, payload_scale)
+        self.tokens_per_step = tokens_per_step
+        self.rules = RunRecordRules(RUN, config.sync.num_fragments)
+        self.config_hash = config_hash(config)
+        self.peers: list[SimPeer] = []
+        self.window_opened: dict[tuple[int, int], float] = {}
+        self.applied: dict[tuple[int, int], list[float]] = defaultdict(list)
+        self.worker = InlineExecutor()
+        self.stalls = 0
+
+    def _event(self, event: dict) -> None:
+        if event.get("event") == "window_open":
+            self.window_opened.setdefault(
+                (event.get("fragment", 0), event.get("round", 0)), self.clock.elapsed_s
+            )
+
+    def add_peer(self) -> SimPeer:
+        link = self.population.draw(self.rng)
+        if self.step_times_s:
+            link = dataclasses.replace(
+                link, step_s=self.step_times_s[len(self.peers) % len(self.step_times_s)]
+            )
+        net = self.network
+        client = link.nat != PUBLIC
+        transport = SimTransport(net, client_mode=client, record_rules=self.rules)
+        net.links[transport.peer_id] = link
+        state = small_state(self.config)
+        limits = wire.WireLimits()
+        holder: dict[str, SimPeer] = {}
+
+        def own_beat() -> Heartbeat:
+            peer = holder["peer"]
+            return Heartbeat(
+                peer_id=transport.peer_id,
+                status="training",
+                client_mode=client,
+                rounds=tuple(peer.state.rounds),
+                config_hash=self.config_hash,
+                tokens_contributed=peer.tokens_merged,
+                software=f"p2pdiloco/{__version__}",
+                # what a hivemind peer advertises (two addresses), so beats weigh as real ones
+                maddrs=()
+                if client
+                else tuple(
+                    f"/ip4/127.0.0.1/tcp/{40000 + i}/p2p/{transport.peer_id}" for i in range(2)
+                ),
+                device="cpu",
+                tokens_per_s=1234.5,
+                loss=3.21,
+                eval_loss=3.3,
+                inner_step=12345,
+                bytes_sent=12_345_678,
+                bytes_received=12_345_678,
+                last_weight=0.25,
+            )
+
+        members = SharedVerdicts(
+            transport,
+            RUN,
+            self.config.peer.heartbeat_s,
+            self.config_hash,
+            own_beat,
+            self._event,
+            shards=self.config.network.member_shards,
+        )
+        replicas = ReplicaSync(
+            transport, RUN, state, members.view, limits, self.worker,
+            void_after_s=self.config.sync.round_deadline_s, on_event=self._event,
+            epoch_rounds=self.config.network.record_epoch_rounds,
+        )  # fmt: skip
+        members.clock_voters = replicas.entitlement.votes_on_clock
+        synchronizer = Synchronizer(
+            transport,
+            RUN,
+            self.config,
+            state,
+            members.view,
+            limits,
+            replicas,
+            self.worker,
+            on_event=self._event,
+        )
+        synchronizer.serving_encoder = self.worker
+        link_ = LearnerLink(transport, RUN, self.config.sync, replicas, members.view, limits)
+        peer = SimPeer(transport, link, self.config, state, members, replicas, synchronizer, link_)
+        holder["peer"] = peer
+        replicas.on_settled.append(
+            lambda f, r, record: self.applied[(f, r)].append(self.clock.elapsed_s)
+        )
+        self.peers.append(peer)
+        return peer
+
+    async def start_peer(self, peer: SimPeer) -> None:
+        await peer.transport.start()
+        self.network.on_line.append(peer.peer_id)
+        for server in _encoders(peer):
+            server.encoder = self.worker
+        await peer.replicas.start()
+        await peer.synchronizer.start()
+        peer.joined_at = self.clock.elapsed_s
+        await peer.members.beat_bounded()
+        peer.tasks.append(
+            asyncio.create_task(peer.members.beat_forever(lambda: self._sync_soon(peer)))
+        )
+        peer.tasks.append(asyncio.create_task(self._learn(peer), name="learn"))
+
+    def _sync_soon(self, peer: SimPeer) -> None:
+        if not any(t.get_name() == "sync" and not t.done() for t in peer.tasks):
+            peer.tasks = [t for t in peer.tasks if not t.done()]
+            peer.tasks.append(asyncio.create_task(self._sync(peer), name="sync"))
+
+    async def _sync(self, peer: SimPeer) -> None:
+        for fragment in range(peer.state.num_fragments):
+            try:
+                await asyncio.wait_for(peer.replicas.sync_fragment(fragment), 60.0)
+            except (TimeoutError, TransportError):
+                pass
+
+    def _frame(self, peer: SimPeer, fragment: int, round_id: int, tokens: int) -> bytes:
+        """A CONTRIBUTION frame as `roles.shipping` sends it (its meta: the step time the
+        synchronizer's grace window (Eq. 3) is computed from, the step span)."""
+        size = PARAMS // peer.state.num_fragments
+
+        def noise(*key: object) -> torch.Tensor:
+            return torch.randn(size, generator=torch.Generator().manual_seed(hash(key) % 2**31))
+
+        # learners of one model move alike (a shared descent direction, drifting by round)
+        # plus their own noise, so the real screening (cosines) sees what it sees in a run
+        direction = noise("direction", fragment) + 0.5 * noise("round", fragment, round_id)
+        delta = {f"p{fragment}": 0.01 * (direction + 0.5 * noise(peer.peer_id, fragment, round_id))}
+        steps = self.config.sync.inner_steps
+        message = wire.Message(
+            kind=wire.CONTRIBUTION, run=RUN, round=round_id, fragment=fragment,
+            meta={
+                "peer": peer.peer_id, "base_round": round_id, "tokens": tokens, "steps": steps,
+                "step_time_s": peer.link.step_s, "first_step": peer.steps_done - steps, "last_step": peer.steps_done,
+            },
+            tensors=compress.encode_tensors(compress.make_codec(self.config.compress.codec), delta),
+        )  # fmt: skip
+        return wire.encode_message(message)
+
+    async def _learn(self, peer: SimPeer) -> None:
+        """Compute `inner_steps` at the peer's speed, then ship each fragment's delta
+        (staggered over the period, as the real schedule is), never waiting for replies."""
+        fragments = peer.state.num_fragments
+        period = self.config.sync.inner_steps * peer.link.step_s
+        tokens = self.config.sync.inner_steps * self.tokens_per_step // fragments
+        while True:
+            for fragment in range(fragments):
+                await asyncio.sleep(period / fragments)
+                peer.tokens_computed += tokens
+                peer.steps_done += self.config.sync.inner_steps // fragments
+                carried = peer.pending_tokens.pop(fragment, 0) + tokens
+                round_id = peer.state.round_of(fragment)
+                frame = self._frame(peer, fragment, round_id, carried)
+                peer.tasks.append(
+                    asyncio.create_task(self._ship(peer, fragment, round_id, frame, carried))
+                )
+
+    async def _ship(
+        self, peer: SimPeer, fragment: int, round_id: int, frame: bytes, tokens: int
+    ) -> None:
+        peer.in_flight_tokens += tokens
+        try:
+            outcome = await peer.learner_link.contribute(fragment, round_id, frame)
+        except TransportError:
+            outcome = None
+        finally:
+            peer.in_flight_tokens -= tokens
+        if outcome is not None and outcome.status == messages.MERGED:
+            peer.tokens_merged += tokens
+        else:  # folded into the next delta of the fragment, as the learner does
+            peer.pending_tokens[fragment] = peer.pending_tokens.get(fragment, 0) + tokens
+
+    async def leave(self, peer: SimPeer) -> None:
+        for task in peer.tasks:
+            task.cancel()
+        self.network.kill(peer.peer_id)
+        if peer.peer_id in self.network.on_line:
+            self.network.on_line.remove(peer.peer_id)
+
+    async def run(self, seconds: float, warmup_s: float) -> SwarmFigures:
+        """Start every peer (staggered over the first seconds), run `seconds` of virtual
+        time, and measure the last `seconds - warmup_s` of it."""
+        for _ in range(self.n):
+            self.add_peer()
+        for peer in self.peers:
+            await self.start_peer(peer)
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(max(warmup_s - self.clock.elapsed_s, 0.0))
+        start = self.clock.elapsed_s
+        base = {p.peer_id: dict(p.transport.traffic.bytes) for p in self.peers}
+        key_base = dict(self.network.key_bytes)
+        peer_base = dict(self.network.peer_bytes)
+        # tokens carried into the span (folded, not merged yet) are work it may merge too
+        tokens_base = {
+            p.peer_id: (
+                p.tokens_computed - sum(p.pending_tokens.values()) - p.in_flight_tokens,
+                p.tokens_merged,
+            )
+            for p in self.peers
+        }
+        leavers = sorted(
+            (p for p in self.peers if p.link.session_s < seconds), key=lambda p: p.link.session_s
+        )
+        for peer in leavers:
+            wait = peer.link.session_s - (self.clock.elapsed_s - peer.joined_at)
+            if wait > 0:
+                await asyncio.sleep(min(wait, seconds - (self.clock.elapsed_s - start)))
+            if self.clock.elapsed_s - start >= seconds - warmup_s:
+                break
+            await self.leave(peer)
+            await self.start_peer(self.add_peer())  # a newcomer takes its place
+        await asyncio.sleep(max(start + seconds - warmup_s - self.clock.elapsed_s, 0.0))
+        span = self.clock.elapsed_s - start
+        moved = {p.peer_id: dict(p.transport.traffic.bytes) for p in self.peers}
+        key_end, peer_end = dict(self.network.key_bytes), dict(self.network.peer_bytes)
+        # goodput: the learners stop computing; what they shipped gets a drain to merge
+        for peer in self.peers:
+            for task in peer.tasks:
+                if task.get_name() == "learn":
+                    task.cancel()
+        await asyncio.sleep(DRAIN_DEADLINES * self.config.sync.round_deadline_s)
+        return self._figures(
+            span, base, moved, key_base, key_end, peer_base, peer_end, tokens_base, start
+        )
+
+    def _figures(
+        self, span, base, end, key_base, key_end, peer_base, peer_end, tokens_base, start
+    ) -> SwarmFigures:  # noqa: ANN001, PLR0913
+        per_peer: list[float] = []
+        roles: dict[str, list[float]] = defaultdict(list)
+        categories: dict[str, dict[str, float]] = {c: {"up": 0.0, "down": 0.0} for c in CATEGORIES}
+        for peer in self.peers:
+            before = base.get(peer.peer_id, {})
+            moved = {k: v - before.get(k, 0) for k, v in end.get(peer.peer_id, {}).items()}
+            protocol = sum(v for (c, _), v in moved.items() if c in PROTOCOL) / span
+            per_peer.append(protocol)
+            role = (
+                "synchronizer"
+                if any(
+                    r.synchronizer == peer.peer_id
+                    for chain in peer.replicas.chains
+                    for r in chain.values()
+                )
+                else ("client" if peer.transport.client_mode else "learner")
+            )
+            roles[role].append(sum(moved.values()) / span)
+            for (c, d), v in moved.items():
+                categories[c][d] += v / span / len(self.peers)
+        keys = {k: (v - key_base.get(k, 0)) / span for k, v in key_end.items()}
+        busiest_key = max(keys, key=keys.get) if keys else ""
+        busiest_peer = max(
+            ((v - peer_base.get(p, 0)) / span for p, v in peer_end.items()), default=0.0
+        )
+        latencies = []
+        for key, opened in self.window_opened.items():
+            applied = self.applied.get(key, [])
+            if opened >= start and applied:
+                latencies.append(sorted(applied)[int(0.9 * (len(applied) - 1))] - opened)
+        computed = sum(
+            p.tokens_computed - tokens_base.get(p.peer_id, (0, 0))[0] for p in self.peers
+        )
+        merged = sum(p.tokens_merged - tokens_base.get(p.peer_id, (0, 0))[1] for p in self.peers)
+        heads = [max(chain) + 1 if chain else 0 for chain in self.peers[0].replicas.chains]
+        seen: dict[tuple[int, int], set[str]] = defaultdict(set)
+        for peer in self.peers:
+            for fragment, hashes in enumerate(peer.state.applied_hashes):
+                for round_id, hash_ in hashes.items():
+                    seen[(fragment, round_id)].add(hash_)
+        return SwarmFigures(
+            n=self.n, seconds=span,
+            protocol_bytes_per_s_per_peer={"p50": statistics.median(per_peer), "max": max(per_peer)},
+            by_role={r: {"peers": len(v), "bytes_per_s_p50": statistics.median(v), "max": max(v)} for r, v in roles.items()},
+            by_category=categories,
+            busiest_key_bytes_per_s=keys.get(busiest_key, 0.0), busiest_key=busiest_key,
+            busiest_peer_bytes_per_s=busiest_peer,
+            round_latency_s=statistics.median(latencies) if latencies else math.nan,
+            rounds=sum(heads), goodput=merged / computed if computed else math.nan, stalls=self.stalls,
+            forks=sum(len(h) > 1 for h in seen.values()),
+        )  # fmt: skip
+
+
+def _encoders(peer: SimPeer) -> list:
+    """The roles' own encoder threads (state parts): replaced by the inline executor."""
+    server = getattr(peer.replicas, "server", None)
+    return [server] if server is not None and hasattr(server, "encoder") else []
+
+
+def simulate(
+    n: int,
+    seconds: float,
+    config: RunConfig | None = None,
+    population: Population | None = None,
+    seed: int = 0,
+    warmup_s: float = 30.0,
+    payload_scale: float = 1.0,
+    step_times_s: list[float] | None = None,
+) -> SwarmFigures:
+    """One simulated run of `n` peers for `seconds` of virtual time."""
+    config = config or sim_config()
+    swarm = Swarm(
+        n, config, population or Population(), seed, payload_scale, step_times_s=step_times_s
+    )
+    logging.getLogger("p2pdiloco").setLevel(logging.ERROR)
+    with shared_verdicts():
+        return run_virtual(swarm.run(seconds, warmup_s), swarm.clock)
+
+
+@contextlib.contextmanager
+def shared_verdicts() -> Iterator[None]:
+    """Signature checks and record decoding memoised for the whole simulated swarm: pure
+    functions of the bytes, which a thousand real peers each compute on their own CPU;
+    here one CPU would compute them a thousand times. Bytes moved are counted all the same."""
+    patched = [
+        (identity, "verify"), (rounds, "open_record"), (record_rules, "open_record"),
+        (membership, "open_heartbeat"), (record_rules, "open_heartbeat"),
+    ]  # fmt: skip
+    saved = [(module, name, getattr(module, name)) for module, name in patched]
+    memos = {}
+    for module, name, function in saved:
+        memo = memos.setdefault(function, functools.lru_cache(maxsize=1 << 18)(function))
+        setattr(module, name, memo)
+    try:
+        yield
+    finally:
+        for module, name, function in saved:
+            setattr(module, name, function)
+
+
+def sim_config(**sync: Any) -> RunConfig:
+    """The embedded default's protocol settings (quorum, grace, deadlines, fragments,
+    heartbeats) with the fp32 codec of the small simulated model."""
+    base = RunConfig()
+    return replace(base, sync={**sync}, compress={"codec": "int8", "outer_codec": "int8"})

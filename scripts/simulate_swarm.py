@@ -1,0 +1,228 @@
+"""Swarm-scale simulator: N peers' real protocol code on virtual time (issue 29).
+
+For each N it runs `p2pdiloco.sim.swarm` (the real Membership, ReplicaSync, Synchronizer
+and LearnerLink of every peer, on an in-memory network with per-peer links drawn from
+`p2pdiloco.sim.links.Population`) and reports, over the measured span, per peer and role
+the protocol bytes per second, the busiest DHT key and peer, the round latency and the
+goodput. `--agreement` first runs a real swarm (bootstrap + N peer processes on
+127.0.0.1, the embedded default) and the simulator on the same setting (loopback links,
+the real learners' measured step times), and reports the relative error of each figure.
+
+    python scripts/simulate_swarm.py --quick [--json docs/scale_quick.json] [--agreement]
+    python scripts/simulate_swarm.py --sizes 10,100,1000 --seconds 300
+
+The traffic is counted by `p2pdiloco.transport.traffic.Traffic` in both: a real peer's
+summary carries its counters, the simulated peers' transports count the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from p2pdiloco.config import RunConfig, replace  # noqa: E402
+from p2pdiloco.sim.links import LOOPBACK, Population  # noqa: E402
+from p2pdiloco.sim.swarm import sim_config, simulate  # noqa: E402
+from p2pdiloco.transport.traffic import PROTOCOL  # noqa: E402
+
+QUICK_SIZES = (10, 100, 1000)
+QUICK_SECONDS = {10: 240.0, 100: 120.0, 1000: 40.0}
+"""Virtual seconds per N in --quick (N = 1,000 over a short span: it costs real minutes)."""
+AGREEMENT_ROUNDS = 12
+EPOCH_ROUNDS = 8
+AGREEMENT_TOLERANCE = 0.10
+
+
+def scaled_config(n: int, design: str) -> RunConfig:
+    """The embedded default's protocol; `after`: membership sharded about one shard per 8
+    peers and round records in epochs of 8 rounds (docs/scale.md); `before`: one key each."""
+    if design == "before":
+        return sim_config()
+    shards = 1 << max(0, min(10, round(math.log2(max(n / 8, 1)))))
+    return replace(
+        sim_config(), network={"member_shards": shards, "record_epoch_rounds": EPOCH_ROUNDS}
+    )
+
+
+def run_sizes(
+    sizes: list[int], seconds: dict[int, float], seed: int, design: str
+) -> dict[str, Any]:
+    by_n: dict[str, Any] = {}
+    for n in sizes:
+        started = time.perf_counter()
+        config = scaled_config(n, design)
+        figures = simulate(
+            n,
+            seconds[n],
+            config=config,
+            population=Population(),
+            seed=seed,
+            warmup_s=min(30.0, seconds[n] / 3),
+        )
+        entry = figures.as_dict()
+        entry["real_s"] = round(time.perf_counter() - started, 1)
+        entry["member_shards"] = config.network.member_shards
+        entry["record_epoch_rounds"] = config.network.record_epoch_rounds
+        by_n[str(n)] = entry
+        print(
+            f"N={n}: protocol {entry['protocol_bytes_per_s_per_peer']['p50'] / 1e3:.1f} kB/s/peer p50 "
+            f"(max {entry['protocol_bytes_per_s_per_peer']['max'] / 1e3:.1f}), busiest key "
+            f"{entry['busiest_key_bytes_per_s'] / 1e6:.2f} MB/s, busiest peer "
+            f"{entry['busiest_peer_bytes_per_s'] / 1e6:.2f} MB/s, round latency {entry['round_latency_s']:.2f} s, "
+            f"goodput {entry['goodput']:.2f} ({entry['real_s']} s real)",
+            flush=True,
+        )
+    return by_n
+
+
+def real_swarm(n: int, rounds: int) -> dict[str, Any]:
+    """A bootstrap node and `n` real peers (embedded default, tiny preset) on 127.0.0.1
+    until `rounds` rounds; each peer's summary (traffic counters, steps, step time)."""
+    from p2pdiloco.cli.launcher import Child
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "p2pdiloco"]
+    sets = ["--set", "model.preset='tiny'", "--set", "sync.inner_steps=20"]
+    boot = Child.spawn([*argv, "bootstrap", "--events", *sets], "boot", env=env)
+    peers: list[Any] = []
+    try:
+        maddrs = boot.wait_ready(300)["maddrs"]
+        peers = [
+            Child.spawn(
+                [
+                    *argv,
+                    "join",
+                    "--events",
+                    "--threads",
+                    "1",
+                    "--max-rounds",
+                    str(rounds),
+                    "--no-checkpoint",
+                    "--data-shards",
+                    str(n),
+                    "--data-rank",
+                    str(i),
+                    "--wait-peers",
+                    str(n),
+                    "--eval-batches",
+                    "0",
+                    "--initial-peers",
+                    *maddrs,
+                    *sets,
+                ],
+                f"peer{i}",
+                env=env,
+            )  # fmt: skip
+            for i in range(n)
+        ]
+        for peer in peers:
+            peer.wait_event(lambda e: e.get("event") == "summary", 1800)
+        summaries = [peer.first("summary") for peer in peers]
+        closes = [e for peer in peers for e in peer.of("round_closed")]
+        for peer in peers:
+            peer.stop(60)
+    finally:
+        boot.stop(10)
+    return {"summaries": summaries, "closes": len(closes)}
+
+
+def real_figures(summaries: list[dict[str, Any]]) -> dict[str, float]:
+    protocol = [
+        sum(s["traffic"][c][d] for c in PROTOCOL for d in ("up", "down")) / s["traffic_s"]
+        for s in summaries
+    ]
+    membership = [sum(s["traffic"]["membership"].values()) / s["traffic_s"] for s in summaries]
+    records = [sum(s["traffic"]["records"].values()) / s["traffic_s"] for s in summaries]
+    steps = sum(s["steps"] for s in summaries)
+    return {
+        "protocol_bytes_per_s_per_peer": statistics.median(protocol),
+        "membership_bytes_per_s_per_peer": statistics.median(membership),
+        "records_bytes_per_s_per_peer": statistics.median(records),
+        "goodput": sum(s.get("steps_contributed", 0) for s in summaries) / max(steps, 1),
+        "rounds_per_min": 60
+        * max(max(s["rounds"]) for s in summaries)
+        / statistics.median(s["traffic_s"] for s in summaries),
+    }
+
+
+def agreement(n: int) -> dict[str, Any]:
+    real = real_swarm(n, AGREEMENT_ROUNDS)
+    summaries = real["summaries"]
+    measured = real_figures(summaries)
+    step_times = [s["train_s"] / max(s["steps"], 1) for s in summaries]
+    span = statistics.median(s["traffic_s"] for s in summaries)
+    config = sim_config(inner_steps=20)
+    figures = simulate(
+        n, span, config=config, population=LOOPBACK, warmup_s=0.0, step_times_s=step_times
+    )
+    simulated = {
+        "protocol_bytes_per_s_per_peer": figures.protocol_bytes_per_s_per_peer["p50"],
+        "membership_bytes_per_s_per_peer": sum(figures.by_category["membership"].values()),
+        "records_bytes_per_s_per_peer": sum(figures.by_category["records"].values()),
+        "goodput": figures.goodput,
+        "rounds_per_min": 60 * figures.rounds / figures.seconds,
+    }
+    errors = {k: abs(simulated[k] - v) / v if v else None for k, v in measured.items()}
+    kept = ("steps", "train_s", "loop_s", "traffic_s", "rounds", "steps_contributed", "traffic")
+    return {
+        "n": n,
+        "real": measured,
+        "simulated": simulated,
+        "relative_error": errors,
+        "real_peers": [{k: s.get(k) for k in kept} for s in summaries],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="N = 10, 100, 1000 over short virtual spans"
+    )
+    parser.add_argument("--sizes", default="", help="comma-separated N (default: the quick ones)")
+    parser.add_argument(
+        "--seconds", type=float, default=0.0, help="virtual seconds per N (default: per N)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--agreement", default="", help="comma-separated N of real swarms to compare (e.g. 4,8)"
+    )
+    parser.add_argument(
+        "--design",
+        choices=("after", "before"),
+        default="after",
+        help="after: sharded membership and record epochs; before: one key each",
+    )
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args()
+    sizes = [int(x) for x in args.sizes.split(",") if x] or list(QUICK_SIZES)
+    seconds = {n: args.seconds or QUICK_SECONDS.get(n, 120.0) for n in sizes}
+    result: dict[str, Any] = {
+        "setting": "quick" if args.quick else "custom",
+        "seed": args.seed,
+        "design": args.design,
+    }
+    result["by_n"] = run_sizes(sizes, seconds, args.seed, args.design)
+    if args.agreement:
+        result["agreement"] = {}
+        for n in (int(x) for x in args.agreement.split(",")):
+            entry = agreement(n)
+            result["agreement"][str(n)] = entry
+            print(f"agreement N={n}: " + ", ".join(
+                f"{k} real {entry['real'][k]:.4g} sim {entry['simulated'][k]:.4g}" for k in entry["real"]
+            ), flush=True)  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2, default=float) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Issue 29, item 2: membership in shards and round records in epochs, so a peer's
+protocol cost stays bounded as the swarm grows (docs/scale.md). Real Membership objects
+on the in-memory transport with the run's record rules; the chain across epochs by the
+simulator's real roles."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from p2pdiloco.config import ConfigError, RunConfig, replace
+from p2pdiloco.identity import Identity
+from p2pdiloco.protocol.membership import (
+    Heartbeat,
+    member_shard,
+    member_shard_key,
+    members_key,
+    seal_heartbeat,
+    shard_of_key,
+)
+from p2pdiloco.protocol.rounds import (
+    RoundRecord,
+    epoch_of_key,
+    record_subkey,
+    rounds_key,
+    seal_record,
+)
+from p2pdiloco.roles.members import Membership, read_members
+from p2pdiloco.sim.links import LOOPBACK
+from p2pdiloco.sim.swarm import sim_config, simulate
+from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
+from p2pdiloco.trust.record_rules import RunRecordRules
+
+RUN = "scale"
+NOW = 1_800_000_000.0
+HEARTBEAT_S = 2.0
+
+
+def test_shard_and_epoch_keys_round_trip_and_one_shard_is_the_old_key() -> None:
+    assert member_shard_key(RUN, 0, 1) == members_key(RUN)
+    assert shard_of_key(RUN, member_shard_key(RUN, 5, 64)) == (5, 64)
+    assert shard_of_key(RUN, f"{members_key(RUN)}/3/1") is None  # not a power of two
+    assert shard_of_key(RUN, f"{members_key(RUN)}/64/64") is None
+    assert rounds_key(RUN, 0, 17, 0) == rounds_key(RUN, 0)
+    assert epoch_of_key(RUN, 0, rounds_key(RUN, 0, 17, 8)) == (8, 2)
+    assert epoch_of_key(RUN, 1, rounds_key(RUN, 0, 17, 8)) is None
+
+
+def test_the_record_rules_keep_each_heartbeat_in_its_shard_and_each_record_in_its_epoch() -> None:
+    rules = RunRecordRules(RUN, 1)
+    peer = Identity.generate()
+    sealed = seal_heartbeat(peer, RUN, Heartbeat(peer_id=peer.peer_id, sent_at=NOW, live_s=8.0))
+    own = member_shard(peer.peer_id, 16)
+    assert rules.check(member_shard_key(RUN, own, 16), peer.peer_id, sealed, NOW + 60, NOW) is None
+    other = member_shard_key(RUN, (own + 1) % 16, 16)
+    assert "another peer's membership shard" in rules.check(
+        other, peer.peer_id, sealed, NOW + 60, NOW
+    )
+    record = seal_record(
+        peer,
+        RUN,
+        RoundRecord(round=17, fragment=0, synchronizer=peer.peer_id, hash="h", closed_at=NOW),
+    )
+    subkey = record_subkey(17, peer.peer_id)
+    assert rules.check(rounds_key(RUN, 0, 17, 8), subkey, record, NOW + 60, NOW) is None
+    assert "another epoch" in rules.check(rounds_key(RUN, 0, 8, 8), subkey, record, NOW + 60, NOW)
+
+
+def test_member_shards_must_be_a_power_of_two() -> None:
+    with pytest.raises(ConfigError, match="member_shards"):
+        replace(RunConfig(), network={"member_shards": 3})
+    with pytest.raises(ConfigError, match="record_epoch_rounds"):
+        replace(RunConfig(), network={"record_epoch_rounds": -1})
+
+
+def test_a_sharded_membership_reads_one_shard_per_beat_and_still_sees_everyone() -> None:
+    """12 peers, 4 shards: each beat reads one shard key; after one rotation every peer's
+    view holds all 12; a peer that stops beating is gone once its shard is read again
+    after its signed life ran out."""
+    now = [NOW]
+
+    async def main() -> None:
+        network = MemoryNetwork(clock=lambda: now[0])
+        rules = RunRecordRules(RUN, 1)
+        transports = [MemoryTransport(network, record_rules=rules) for _ in range(12)]
+        members = []
+        for transport in transports:
+            await transport.start()
+            beat = Heartbeat(peer_id=transport.peer_id, status="training")
+            members.append(
+                Membership(
+                    transport, RUN, HEARTBEAT_S, "", lambda b=beat: b, lambda e: None, shards=4
+                )
+            )
+        for _ in range(8):  # two rotations: each shard read once after all peers beat
+            for m in members:
+                await m.beat()
+            now[0] += HEARTBEAT_S
+        ids = {t.peer_id for t in transports}
+        for m in members:
+            assert set(m.view()) == ids, f"{m.transport.peer_id[-6:]} sees {len(m.view())}"
+        for m in members:  # only shard keys were read, never a whole-membership key
+            read = {k for k in m.transport.traffic.by_key if "members" in k}
+            assert read and all(shard_of_key(RUN, k) is not None for k in read)
+        everyone = await read_members(transports[0], RUN, 4)  # what the dashboard reads
+        assert set(everyone) == ids
+        gone = members.pop()
+        for _ in range(
+            12
+        ):  # its life (4 periods, + the clock dead band) ends, its shard is read again
+            for m in members:
+                await m.beat()
+            now[0] += HEARTBEAT_S
+        for m in members:
+            assert gone.transport.peer_id not in m.view()
+            assert len(m.view()) == 11
+
+    asyncio.run(main())
+
+
+def test_records_in_epochs_keep_one_chain_across_epoch_boundaries() -> None:
+    """Real roles (the simulator's peers) on records split into epochs of 2 rounds and
+    membership in 2 shards: rounds go on past several epochs, one hash per round."""
+    config = replace(
+        sim_config(inner_steps=20), network={"member_shards": 2, "record_epoch_rounds": 2}
+    )
+    figures = simulate(4, 150.0, config=config, population=LOOPBACK, warmup_s=10.0)
+    assert figures.rounds >= 5, figures.rounds
+    assert figures.forks == 0
+    assert figures.busiest_key.startswith("p2pdiloco/sim/")
