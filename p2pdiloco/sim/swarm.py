@@ -464,9 +464,9 @@ class Swarm:
         time, and measure the last `seconds - warmup_s` of it."""
         for _ in range(self.n):
             self.add_peer()
-        for peer in self.peers:
+        for peer in self.peers:  # joins spread over at most 10 s
             await self.start_peer(peer)
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(min(0.05, 10.0 / self.n))
         await asyncio.sleep(max(warmup_s - self.clock.elapsed_s, 0.0))
         start = self.clock.elapsed_s
         base = {p.peer_id: dict(p.transport.traffic.bytes) for p in self.peers}
@@ -582,9 +582,14 @@ def simulate(
     swarm = Swarm(
         n, config, population or Population(), seed, payload_scale, step_times_s=step_times_s
     )
-    logging.getLogger("p2pdiloco").setLevel(logging.ERROR)
-    with shared_verdicts():
-        return run_virtual(swarm.run(seconds, warmup_s), swarm.clock)
+    package_log = logging.getLogger("p2pdiloco")
+    level = package_log.level
+    package_log.setLevel(logging.ERROR)  # a thousand peers' routine warnings, not the figures
+    try:
+        with shared_verdicts():
+            return run_virtual(swarm.run(seconds, warmup_s), swarm.clock)
+    finally:
+        package_log.setLevel(level)
 
 
 @contextlib.contextmanager
