@@ -155,11 +155,13 @@ def real_figures(summaries: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def agreement(n: int) -> dict[str, Any]:
-    real = real_swarm(n, AGREEMENT_ROUNDS)
-    summaries = real["summaries"]
+def agreement(n: int, saved: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Real processes, then the simulator on their setting (`saved`: a previous run's
+    real summaries, to re-simulate without running the real swarm again)."""
+    summaries = saved["real_peers"] if saved else real_swarm(n, AGREEMENT_ROUNDS)["summaries"]
     measured = real_figures(summaries)
-    step_times = [s["train_s"] / max(s["steps"], 1) for s in summaries]
+    # a learner's whole loop per step (training, shipping, applying): its real pace
+    step_times = [s["loop_s"] / max(s["steps"], 1) for s in summaries]
     span = statistics.median(s["traffic_s"] for s in summaries)
     config = sim_config(inner_steps=20)
     figures = simulate(
@@ -169,7 +171,7 @@ def agreement(n: int) -> dict[str, Any]:
         "protocol_bytes_per_s_per_peer": figures.protocol_bytes_per_s_per_peer["p50"],
         "membership_bytes_per_s_per_peer": sum(figures.by_category["membership"].values()),
         "records_bytes_per_s_per_peer": sum(figures.by_category["records"].values()),
-        "goodput": figures.goodput,
+        "goodput": figures.goodput_at_stop,
         "rounds_per_min": 60 * figures.rounds / figures.seconds,
     }
     errors = {k: abs(simulated[k] - v) / v if v else None for k, v in measured.items()}
@@ -202,6 +204,7 @@ def main() -> None:
         default="after",
         help="after: sharded membership and record epochs; before: one key each",
     )
+    parser.add_argument("--real-from", type=Path, help="re-simulate the agreement of a saved --json")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
     sizes = [int(x) for x in args.sizes.split(",") if x] or list(QUICK_SIZES)
@@ -214,13 +217,14 @@ def main() -> None:
     result["by_n"] = run_sizes(sizes, seconds, args.seed, args.design)
     if args.agreement:
         result["agreement"] = {}
+        saved = json.loads(args.real_from.read_text())["agreement"] if args.real_from else {}
         for n in (int(x) for x in args.agreement.split(",")):
-            entry = agreement(n)
+            entry = agreement(n, saved.get(str(n)))
             result["agreement"][str(n)] = entry
             print(f"agreement N={n}: " + ", ".join(
                 f"{k} real {entry['real'][k]:.4g} sim {entry['simulated'][k]:.4g}" for k in entry["real"]
             ), flush=True)  # fmt: skip
-    if args.json:
+    if args.json and result["by_n"] is not None:
         args.json.write_text(json.dumps(result, indent=2, default=float) + "\n")
 
 

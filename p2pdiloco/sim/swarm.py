@@ -250,6 +250,9 @@ class SwarmFigures:
     rounds: int
     goodput: float
     stalls: int
+    goodput_at_stop: float = math.nan
+    """Tokens merged / computed when the learners stop, before the drain (what a real
+    peer's summary shows: `steps_contributed / steps` at exit)."""
     forks: int = 0
     """(round, fragment) pairs two peers applied with different hashes (must stay 0)."""
 
@@ -318,12 +321,8 @@ class Swarm:
                 config_hash=self.config_hash,
                 tokens_contributed=peer.tokens_merged,
                 software=f"p2pdiloco/{__version__}",
-                # what a hivemind peer advertises (two addresses), so beats weigh as real ones
-                maddrs=()
-                if client
-                else tuple(
-                    f"/ip4/127.0.0.1/tcp/{40000 + i}/p2p/{transport.peer_id}" for i in range(2)
-                ),
+                # what a hivemind peer on one interface advertises: beats weigh as real ones
+                maddrs=() if client else (f"/ip4/127.0.0.1/tcp/40000/p2p/{transport.peer_id}",),
                 device="cpu",
                 tokens_per_s=1234.5,
                 loss=3.21,
@@ -495,15 +494,20 @@ class Swarm:
         span = self.clock.elapsed_s - start
         moved = {p.peer_id: dict(p.transport.traffic.bytes) for p in self.peers}
         key_end, peer_end = dict(self.network.key_bytes), dict(self.network.peer_bytes)
+        at_stop = {p.peer_id: (p.tokens_computed, p.tokens_merged) for p in self.peers}
         # goodput: the learners stop computing; what they shipped gets a drain to merge
         for peer in self.peers:
             for task in peer.tasks:
                 if task.get_name() == "learn":
                     task.cancel()
         await asyncio.sleep(DRAIN_DEADLINES * self.config.sync.round_deadline_s)
-        return self._figures(
+        figures = self._figures(
             span, base, moved, key_base, key_end, peer_base, peer_end, tokens_base, start
         )
+        computed = sum(at_stop[p][0] - tokens_base.get(p, (0, 0))[0] for p in at_stop)
+        merged = sum(at_stop[p][1] - tokens_base.get(p, (0, 0))[1] for p in at_stop)
+        figures.goodput_at_stop = merged / computed if computed else math.nan
+        return figures
 
     def _figures(
         self, span, base, end, key_base, key_end, peer_base, peer_end, tokens_base, start

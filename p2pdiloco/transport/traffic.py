@@ -17,8 +17,9 @@ CATEGORIES = ("membership", "records", "deltas", "updates", "state", "audits", "
 """Where protocol bytes go: heartbeats; round records and fraud notices; deltas to the
 synchronizer (and its replies); round updates (fetched, held); state downloads; the
 contributions audits fetch; anything else."""
-PROTOCOL = ("membership", "records", "audits", "other")
-"""Categories that are the protocol's overhead, not the training's payload."""
+PROTOCOL = ("membership", "records", "other")
+"""Categories that are the protocol's overhead, not the training's payload (audits move
+sampled contributions, i.e. deltas: payload, counted on their own)."""
 
 _RPC_CATEGORY = {
     "contribute": "deltas",
