@@ -64,15 +64,24 @@ def member_shard_key(run: str, shard: int, shards: int) -> str:
     return f"{members_key(run)}/{shards}/{shard}"
 
 
+def two_numbers(suffix: str, max_digits: int) -> tuple[int, int] | None:
+    """`"<a>/<b>"` (decimal, at most `max_digits` each) as (a, b), or None: the tail of a
+    membership shard key or of a round records epoch key."""
+    parts = suffix.split("/")
+    if len(parts) != 2 or not all(p.isdigit() and len(p) <= max_digits for p in parts):
+        return None
+    return int(parts[0]), int(parts[1])
+
+
 def shard_of_key(run: str, key: str) -> tuple[int, int] | None:
     """(shard, shards) of a membership shard key of `run`, or None for any other key."""
     prefix = members_key(run) + "/"
     if not key.startswith(prefix):
         return None
-    parts = key[len(prefix):].split("/")
-    if len(parts) != 2 or not all(p.isdigit() and len(p) <= 4 for p in parts):
+    pair = two_numbers(key[len(prefix):], 4)
+    if pair is None:
         return None
-    shards, shard = int(parts[0]), int(parts[1])
+    shards, shard = pair
     if not (2 <= shards <= MAX_MEMBER_SHARDS and shards & (shards - 1) == 0 and 0 <= shard < shards):
         return None
     return shard, shards

@@ -39,6 +39,7 @@ import msgpack
 
 from p2pdiloco.identity import Identity, SignedKind, is_peer_id
 from p2pdiloco.protocol.election import rendezvous_score
+from p2pdiloco.protocol.membership import two_numbers
 
 MAX_RECORD_BYTES = 1 << 16
 """A round record larger than this is not one (bytes)."""
@@ -68,10 +69,10 @@ def epoch_of_key(run: str, fragment: int, key: str) -> tuple[int, int] | None:
     prefix = rounds_key(run, fragment) + "/"
     if not key.startswith(prefix):
         return None
-    parts = key[len(prefix):].split("/")
-    if len(parts) != 2 or not all(p.isdigit() and len(p) <= 9 for p in parts):
+    pair = two_numbers(key[len(prefix):], 9)
+    if pair is None:
         return None
-    epoch_rounds, epoch = int(parts[0]), int(parts[1])
+    epoch_rounds, epoch = pair
     return (epoch_rounds, epoch) if 1 <= epoch_rounds <= MAX_EPOCH_ROUNDS else None
 
 

@@ -188,21 +188,6 @@ class SimTransport(MemoryTransport):
         return records
 
 
-class SharedVerdicts(Membership):
-    """`Membership` whose heartbeat signature verdicts are shared by every simulated peer
-    (a verdict depends on the bytes only; bytes moved are counted per peer all the same).
-    It saves a thousand peers verifying the same thousand signatures each."""
-
-    shared: dict = {}
-
-    def refresh(self, records: dict[str, tuple[bytes, float]], shard: int = 0) -> None:
-        self._verdicts = SharedVerdicts.shared
-        super().refresh(records, shard)
-        if len(self._verdicts) > 4 * len(SharedVerdicts.shared) + 10_000:
-            SharedVerdicts.shared.clear()
-        SharedVerdicts.shared.update(self._verdicts)
-
-
 @dataclass
 class SimPeer:
     """One simulated peer: the real roles on a `SimTransport`, plus a compute model."""
@@ -333,7 +318,7 @@ class Swarm:
                 last_weight=0.25,
             )
 
-        members = SharedVerdicts(
+        members = Membership(
             transport,
             RUN,
             self.config.peer.heartbeat_s,
@@ -359,7 +344,6 @@ class Swarm:
             self.worker,
             on_event=self._event,
         )
-        synchronizer.serving_encoder = self.worker
         link_ = LearnerLink(transport, RUN, self.config.sync, replicas, members.view, limits)
         peer = SimPeer(transport, link, self.config, state, members, replicas, synchronizer, link_)
         holder["peer"] = peer
