@@ -22,6 +22,7 @@ from p2pdiloco.peer.faults import hook_steps
 from p2pdiloco.protocol.election import synchronizer_order
 from p2pdiloco.protocol.membership import Heartbeat
 from p2pdiloco.protocol.rounds import RoundRecord, canonical_chain, records_of, rounds_key
+from p2pdiloco.roles.commit import MORE_PUSHES
 from p2pdiloco.roles.learner_link import LearnerLink, Outcome
 from p2pdiloco.roles.replica import ReplicaSync
 from p2pdiloco.roles.state import GlobalState
@@ -385,6 +386,27 @@ def test_the_update_goes_to_one_holder_at_a_time_and_a_failed_push_is_replaced()
         assert bystander.replicas.store.get(0, committed.digest) is not None
 
     scenario(4, body)
+
+
+def test_the_synchronizer_pushes_a_committed_update_to_a_bounded_number_of_peers() -> None:
+    """Issue 29, item 3: after its holders, the synchronizer pushes the update to at most
+    `MORE_PUSHES` more learners, not to the whole swarm; the rest fetch it from those."""
+    count = 2 + CONFIG.sync.commit_holders + MORE_PUSHES + 3
+
+    async def body(cluster: Cluster) -> None:
+        synchronizer, a, b = cluster[0], cluster[1], cluster[2]
+        outcomes = await asyncio.gather(a.contribute(1.0), b.contribute(3.0))
+        assert [o.status for o in outcomes] == [messages.MERGED, messages.MERGED], outcomes
+        await poll(lambda: not synchronizer.sync.committer.tasks, timeout_s=20)
+        (committed,) = [r for (round_id, _), r in cluster.dht_records().items() if round_id == 0]
+        others = [n for n in cluster.nodes.values() if n is not synchronizer]
+        pushed = [n for n in others if n.replicas.store.get(0, committed.digest) is not None]
+        assert len(pushed) == CONFIG.sync.commit_holders + MORE_PUSHES, len(pushed)
+        for node in others:  # the rest fetch it from the peers that hold it
+            await node.replicas.sync_fragment(0)
+        assert {n.hash() for n in cluster.nodes.values()} == {committed.hash}
+
+    scenario(count, body)
 
 
 def test_a_delta_arriving_during_the_merge_is_told_it_is_late() -> None:

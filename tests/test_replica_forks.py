@@ -283,3 +283,31 @@ def test_a_slow_donor_does_not_hold_the_install_lock() -> None:
         downloading.cancel()
 
     scenario(3, body)
+
+
+def test_a_round_is_served_by_the_peers_that_hold_it_not_by_its_synchronizer_alone() -> None:
+    """Issue 29, item 3: 16 peers fetch a round held by its synchronizer and two holders.
+    Each fetcher starts at a peer of its own among those that have the frame, so the
+    synchronizer serves none of them (it pushed to its holders already) and no holder
+    serves every fetcher; every peer applies the one update."""
+
+    async def body(swarm: Swarm) -> None:
+        peers = swarm.by_id
+        synchronizer, holders, fetchers = peers[0], peers[1:3], peers[3:]
+        record, update = synchronizer.commit(1.0, holders=tuple(h.peer_id for h in holders))
+        await synchronizer.install(record, update)
+        for holder in holders:
+            holder.replicas.keep(update)
+        for peer in [*fetchers, *holders]:
+            assert await peer.replicas.sync_fragment(0)
+        assert {p.hash() for p in peers} == {record.hash}
+
+        def frames_served(peer: Peer) -> int:
+            return peer.transport.traffic.bytes[("updates", "up")] // len(update.frame)
+
+        assert frames_served(synchronizer) == 0, "the synchronizer served the swarm alone"
+        served = [frames_served(p) for p in peers[1:]]
+        assert sum(served) == len(fetchers)
+        assert max(served) < len(fetchers) // 2, f"one peer served most fetchers: {served}"
+
+    scenario(19, body)

@@ -64,6 +64,11 @@ slowest expected link (`transfer_timeout_s`)."""
 BACKGROUND_PUSHES = 2
 """Pushes to further learners at once, after the commit holders acked: each one shares
 the synchronizer's uplink with the rest."""
+MORE_PUSHES = 8
+"""Learners the synchronizer pushes the committed update to beyond its holders (issue 29,
+item 3). The rest fetch it from the peers that hold it (`ReplicaSync._fetch_order`, each
+fetcher in an order of its own), so what a synchronizer uploads per round is bounded by
+(holders + this) frames, not one frame per peer of the swarm."""
 
 
 COMMITTED_ELSEWHERE = "round committed elsewhere"
@@ -228,7 +233,8 @@ class Committer:
         many pushes as holders are still needed run at once (a failed one is replaced by
         the next target), so on a slow uplink the first holder gets the whole of it; once
         enough acked, the other learners get it in the background, `BACKGROUND_PUSHES` at
-        a time, so more peers hold it.
+        a time, so more peers hold it: at most `MORE_PUSHES` of them, the rest of the swarm
+        fetches from those (the synchronizer's upload per round stays bounded as N grows).
         """
         self.replicas.keep(update)
         targets = holder_order(
@@ -257,7 +263,7 @@ class Committer:
         if not holders:  # a holder that is dead or unreachable must not fail the round
             return None
         if queue:
-            task = asyncio.ensure_future(self._push_rest(queue, update, timeout_s))
+            task = asyncio.ensure_future(self._push_rest(queue[:MORE_PUSHES], update, timeout_s))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
         return list(holders)

@@ -38,6 +38,7 @@ import torch
 from p2pdiloco import wire
 from p2pdiloco.outer.fragment import FragmentState, outer_update
 from p2pdiloco.outer.step import tensor_norm
+from p2pdiloco.protocol.election import rendezvous_score
 from p2pdiloco.protocol.membership import Heartbeat, learners, synchronizer_candidates
 from p2pdiloco.protocol.rounds import (
     RoundRecord,
@@ -519,16 +520,28 @@ class ReplicaSync:
             del notified[old]
 
     def _fetch_order(self, record: RoundRecord) -> list[str]:
-        """Every peer that may hold `record`'s update, likeliest first: its synchronizer,
-        its holders, live peers whose heartbeat says they applied the round (they kept the
-        frame they applied), then the other live peers."""
+        """Every peer that may hold `record`'s update, likeliest first: its holders and the
+        live peers whose heartbeat says they applied the round (they kept the frame they
+        applied), in an order of this fetcher's own; then its synchronizer; then the other
+        live peers.
+
+        Each fetcher starts at a different peer that has the frame (rendezvous hash over
+        this peer's id), and more peers have it as the round spreads, so serving a round
+        to N peers costs no single peer N frames (issue 29, item 3). The synchronizer,
+        which pushed it to its holders and a few more (`commit.MORE_PUSHES`), is asked
+        only after them."""
         me, members = self.transport.peer_id, self.members()
         live = synchronizer_candidates(members)
         past = [
             p for p in live
             if len(members[p].rounds) > record.fragment and members[p].rounds[record.fragment] > record.round
         ]  # fmt: skip
-        order = [record.synchronizer, *record.holders, *past, *live]
+        salted = f"{record.digest}/{me}"
+        having = sorted(
+            {*record.holders, *past} - {record.synchronizer},
+            key=lambda p: (-rendezvous_score(salted, record.round, record.fragment, p), p),
+        )
+        order = [*having, record.synchronizer, *live]
         return list(dict.fromkeys(p for p in order if p != me))
 
     async def _fetch(self, record: RoundRecord) -> Update | None:
