@@ -30,7 +30,9 @@ from signed data instead:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,6 +121,13 @@ class RoundRecord:
     this record re-runs the round in its place ("" for none; see `superseded_digests`)."""
     sealed: bytes = field(default=b"", compare=False, repr=False)
     """The signed bytes this record was read from or sealed into (what is stored and sent)."""
+
+    @functools.cached_property
+    def named(self) -> frozenset[str]:
+        """The peers this record names: its synchronizer and its contributors (computed
+        once: the chain rules ask it of every record on every pass, and at M learners
+        a scan of the contributors each time made a pass cost records x M)."""
+        return frozenset((self.synchronizer, *(c[0] for c in self.contributors)))
 
     def encode(self) -> bytes:
         return msgpack.packb(
@@ -382,13 +391,51 @@ def _named_in_ancestry(
     for _ in range(PROVEN_LOOKBACK):
         if not frontier:
             return False
-        if any(peer == r.synchronizer or any(c[0] == peer for c in r.contributors) for r in frontier):
+        if any(peer in r.named for r in frontier):
             return True
         frontier = [a for r in frontier for a in index.get((r.round - 1, r.parent), [])][:8]
     return False
 
 
+CHAIN_MEMO_SIZE = 64
+"""Inputs `canonical_chain` remembers its answer for (most recent first)."""
+_chain_memo: OrderedDict[tuple, dict[int, RoundRecord]] = OrderedDict()
+
+
 def canonical_chain(
+    run: str,
+    records: Iterable[RoundRecord],
+    genesis_hash: str,
+    void: frozenset[str] = frozenset(),
+    *,
+    anchor: tuple[int, str] | None = None,
+    supersede_after_s: float = SUPERSEDE_AFTER_S,
+    open_run: bool = False,
+) -> dict[int, RoundRecord]:
+    """`_canonical_chain`, remembered for the last `CHAIN_MEMO_SIZE` inputs (a pure
+    function: a replica's sync passes between two rounds read the same records, and the
+    swarm simulator's peers read the same DHT). The records are keyed by their signed
+    bytes (whose hash Python keeps), or by their fields where they were never sealed."""
+    records = list(records)
+    key = (
+        run, frozenset(r.sealed or r for r in records), genesis_hash, void, anchor,
+        supersede_after_s, open_run,
+    )  # fmt: skip
+    chain = _chain_memo.get(key)
+    if chain is None:
+        chain = _canonical_chain(
+            run, records, genesis_hash, void, anchor=anchor,
+            supersede_after_s=supersede_after_s, open_run=open_run,
+        )  # fmt: skip
+        _chain_memo[key] = chain
+        if len(_chain_memo) > CHAIN_MEMO_SIZE:
+            _chain_memo.popitem(last=False)
+    else:
+        _chain_memo.move_to_end(key)
+    return dict(chain)
+
+
+def _canonical_chain(
     run: str,
     records: Iterable[RoundRecord],
     genesis_hash: str,

@@ -119,8 +119,7 @@ class Entitlement:
         for round_id, record in chain.items():
             if round_id >= before:
                 continue
-            peers.add(record.synchronizer)
-            peers.update(c[0] for c in record.contributors)
+            peers.update(record.named)
         return frozenset(peers)
 
     def learner_refusal(self, peer: str, certificates: tuple[bytes, ...]) -> str | None:
