@@ -10,6 +10,14 @@ the real learners' measured step times), and reports the relative error of each 
 
     python scripts/simulate_swarm.py --quick [--json docs/scale_quick.json] [--agreement]
     python scripts/simulate_swarm.py --sizes 10,100,1000 --seconds 300
+    python scripts/simulate_swarm.py --sizes 0 --aggregation 10,30,100 [--preset 150m]
+
+`--aggregation` (issue 29, item 3) runs M learners on the chosen preset's payload (the
+simulated model's bytes scaled to the preset's) twice: `before`, one fragment whose
+synchronizer pushes the update to every learner; `after`, `AGGREGATION_FRAGMENTS`
+fragments over the elected synchronizers, each pushing to its holders and
+`commit.MORE_PUSHES` more, the rest fetching from the peers that hold it. It reports the
+synchronizer's payload bytes per window and the round latency against M.
 
 The traffic is counted by `p2pdiloco.transport.traffic.Traffic` in both: a real peer's
 summary carries its counters, the simulated peers' transports count the same way.
@@ -41,6 +49,22 @@ QUICK_SECONDS = {10: 240.0, 100: 120.0, 1000: 40.0}
 AGREEMENT_ROUNDS = 12
 EPOCH_ROUNDS = 8
 AGREEMENT_TOLERANCE = 0.10
+AGGREGATION_INNER_STEPS = 512
+"""Inner steps per round in `--aggregation` (a 150m run's H is in the hundreds)."""
+AGGREGATION_FRAGMENTS = 64
+"""Fragments of the `after` design: each window's fan-in is M x (preset bytes / 64)."""
+AGGREGATION_SECONDS = 600.0
+AGGREGATION_WARMUP_S = 200.0
+AGGREGATION_SYNC = {"max_grace_s": 30.0, "round_deadline_s": 120.0}
+"""What a 150m run sets beside the embedded default: a fragment's deltas take seconds to
+upload, so stragglers get a longer grace, and a window waits longer for its quorum
+(`min_quorum`: a quarter of the learners, so one fast learner does not close every
+window alone)."""
+SYNCHRONIZERS_100MBIT = Population(public_link_mbit=100.0, step_sigma=0.3)
+"""The drawn volunteers, the public ones (synchronizer candidates) on 100 Mbit/s links;
+machines that train a 150m model within a 3x spread of speed (GPUs, not CPUs)."""
+EVERYONE = 1 << 30
+"""`update_pushes` of the `before` design: the synchronizer pushes to every learner."""
 
 
 def scaled_config(n: int, design: str) -> RunConfig:
@@ -83,6 +107,68 @@ def run_sizes(
             flush=True,
         )
     return by_n
+
+
+def preset_parameters(preset: str) -> int:
+    """Parameters of a model preset, counted on the meta device (nothing allocated)."""
+    import torch
+
+    from p2pdiloco.training.model import build_model, count_parameters
+
+    with torch.device("meta"):
+        return count_parameters(build_model(preset))
+
+
+def aggregation(
+    learners: list[int], preset: str, seed: int, designs_run: tuple[str, ...] = ("before", "after")
+) -> dict[str, Any]:
+    """Synchronizer payload bytes per window and round latency against M learners, on
+    `preset`'s bytes, for the `before` and `after` designs (module docstring)."""
+    params = preset_parameters(preset)
+    designs = {"before": (1, EVERYONE), "after": (AGGREGATION_FRAGMENTS, None)}
+    out: dict[str, Any] = {"preset": preset, "parameters": params, "by_design": {}}
+    for design, (fragments, pushes) in designs.items():
+        if design not in designs_run:
+            continue
+        rows: dict[str, Any] = {}
+        for m in learners:
+            started = time.perf_counter()
+            config = replace(
+                scaled_config(m, "after"),
+                sync={
+                    **AGGREGATION_SYNC, "inner_steps": AGGREGATION_INNER_STEPS,
+                    "num_fragments": fragments, "min_quorum": max(2, m // 4),
+                },
+            )
+            figures = simulate(
+                m, AGGREGATION_SECONDS, config=config, population=SYNCHRONIZERS_100MBIT,
+                seed=seed, warmup_s=AGGREGATION_WARMUP_S,
+                update_pushes=pushes, preset_params=params,
+            )  # fmt: skip
+            row = {
+                "fragments": fragments,
+                "synchronizer_bytes_per_window": figures.synchronizer_bytes_per_window,
+                "synchronizer_bytes_per_round": {
+                    k: v * fragments for k, v in figures.synchronizer_bytes_per_window.items()
+                },
+                "round_latency_s": figures.round_latency_s,
+                "goodput": figures.goodput,
+                "rounds": figures.rounds,
+                "windows": figures.windows,
+                "forks": figures.forks,
+                "real_s": round(time.perf_counter() - started, 1),
+            }
+            rows[str(m)] = row
+            per_window = row["synchronizer_bytes_per_window"].get("max", math.nan)
+            print(
+                f"aggregation {design} M={m} F={fragments}: synchronizer max "
+                f"{per_window / 1e6:.0f} MB per window, round latency "
+                f"{row['round_latency_s']:.1f} s, goodput {row['goodput']:.2f}, "
+                f"{row['windows']} windows ({row['real_s']} s real)",
+                flush=True,
+            )
+        out["by_design"][design] = rows
+    return out
 
 
 def real_swarm(n: int, rounds: int) -> dict[str, Any]:
@@ -204,10 +290,19 @@ def main() -> None:
         default="after",
         help="after: sharded membership and record epochs; before: one key each",
     )
+    parser.add_argument(
+        "--aggregation", default="", help="comma-separated M of the aggregation figure"
+    )
+    parser.add_argument("--preset", default="150m", help="model preset of --aggregation")
+    parser.add_argument(
+        "--aggregation-designs", default="before,after", help="which designs --aggregation runs"
+    )
     parser.add_argument("--real-from", type=Path, help="re-simulate the agreement of a saved --json")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
-    sizes = [int(x) for x in args.sizes.split(",") if x] or list(QUICK_SIZES)
+    sizes = [int(x) for x in args.sizes.split(",") if x and x != "0"]
+    if not sizes and not args.sizes:
+        sizes = list(QUICK_SIZES)
     seconds = {n: args.seconds or QUICK_SECONDS.get(n, 120.0) for n in sizes}
     result: dict[str, Any] = {
         "setting": "quick" if args.quick else "custom",
@@ -224,6 +319,11 @@ def main() -> None:
             print(f"agreement N={n}: " + ", ".join(
                 f"{k} real {entry['real'][k]:.4g} sim {entry['simulated'][k]:.4g}" for k in entry["real"]
             ), flush=True)  # fmt: skip
+    if args.aggregation:
+        result["aggregation"] = aggregation(
+            [int(x) for x in args.aggregation.split(",")], args.preset, args.seed,
+            tuple(args.aggregation_designs.split(",")),
+        )
     if args.json and result["by_n"] is not None:
         args.json.write_text(json.dumps(result, indent=2, default=float) + "\n")
 

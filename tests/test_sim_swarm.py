@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+from p2pdiloco.roles.commit import MORE_PUSHES
+from p2pdiloco.sim.fair_share import FairShareLinks
 from p2pdiloco.sim.links import LOOPBACK, Population
-from p2pdiloco.sim.swarm import sim_config, simulate
+from p2pdiloco.sim.swarm import PARAMS, PresetBytes, SimNetwork, sim_config, simulate
 from p2pdiloco.sim.virtual_time import Deadlock, InlineExecutor, VirtualClock, run_virtual
 from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
 from p2pdiloco.transport.traffic import Traffic, key_category, rpc_category
@@ -97,3 +99,68 @@ def test_membership_cost_per_peer_grows_with_the_swarm_on_a_single_members_key()
     )
     per_peer = [sum(f.by_category["membership"].values()) for f in (small, large)]
     assert per_peer[1] > 2.5 * per_peer[0], per_peer
+
+
+def test_bulk_flows_share_a_link_and_a_cancelled_one_frees_it_at_once() -> None:
+    """Two 10 MB flows out of one 10 MB/s uplink share it (each ends at 2 s, not 1 s and
+    2 s); a third to a slow receiver moves at the receiver's rate; cancelling a flow
+    gives its share back to the others at once (a timed-out call stops its bytes)."""
+    rates = {"a": (10e6, 10e6), "b": (10e6, 10e6), "c": (10e6, 10e6), "slow": (10e6, 1e6)}
+
+    async def main() -> dict[str, float]:
+        loop = asyncio.get_running_loop()
+        links = FairShareLinks(loop.time, rates.__getitem__)
+        ended: dict[str, float] = {}
+
+        async def flow(name: str, src: str, dst: str, size: float) -> None:
+            await links.transfer(src, dst, size)
+            ended[name] = loop.time()
+
+        start = loop.time()
+        await asyncio.gather(flow("ab", "a", "b", 10e6), flow("ac", "a", "c", 10e6))
+        ended = {k: v - start for k, v in ended.items()}
+        start = loop.time()
+        slow = asyncio.ensure_future(flow("slow", "b", "slow", 1e6))
+        doomed = asyncio.ensure_future(flow("doomed", "b", "c", 100e6))
+        await asyncio.sleep(0.5)
+        doomed.cancel()
+        await asyncio.gather(slow, return_exceptions=True)
+        await flow("after", "b", "c", 10e6)  # the cancelled flow no longer shares b's uplink
+        ended["slow"] -= start
+        ended["after"] -= start
+        assert not links.flows
+        return ended
+
+    ended = run_virtual(main())
+    assert abs(ended["ab"] - 2.0) < 1e-6 and abs(ended["ac"] - 2.0) < 1e-6, ended
+    assert abs(ended["slow"] - 1.0) < 1e-6, ended  # 1 MB at the receiver's 1 MB/s
+    assert abs(ended["after"] - 2.0) < 1e-6, ended  # starts at 1.0 s, alone on b's uplink
+
+
+def test_a_larger_preset_is_charged_its_tensor_bytes_per_frame_not_a_multiple_of_the_header() -> None:
+    config = sim_config(num_fragments=4, inner_steps=20)
+    preset = PresetBytes.of(150_000_000, config)
+    # int8 with its block scales: a little over a byte per parameter of a fragment
+    assert 1.0 < preset.frame_extra_bytes / (150_000_000 / 4) < 1.1
+    assert preset.element_scale == 150_000_000 / PARAMS
+    network = SimNetwork(VirtualClock(), preset)
+    header = 3_000  # an update frame names its contributors: charged as it is
+    assert network.charged("updates", header) == header + preset.frame_extra_bytes
+    assert network.charged("membership", header) == header
+
+
+def test_a_synchronizer_of_a_larger_preset_serves_a_bounded_number_of_frames_per_window() -> None:
+    """Issue 29, item 3, on the simulator: 2 MB fragments in 16 learners' windows.
+    Each synchronizer receives the window's deltas and sends the update to its holders and
+    `MORE_PUSHES` more at most (the others fetch from those): at most about
+    (M + holders + MORE_PUSHES + its share of fetches) frames per window, never one per
+    peer on top; replicas stay on one hash per round."""
+    config = sim_config(num_fragments=2, inner_steps=100)
+    n, params = 16, 4_000_000
+    figures = simulate(
+        n, 200.0, config=config, population=Population(public_link_mbit=100.0, step_sigma=0.3, churn=False),
+        warmup_s=50.0, preset_params=params,
+    )  # fmt: skip
+    frame = PresetBytes.of(params, config).frame_extra_bytes
+    assert figures.windows > 0 and figures.forks == 0
+    assert figures.synchronizer_bytes_per_window["max"] < (2 * n + MORE_PUSHES) * frame * 1.5

@@ -70,6 +70,10 @@ class Population:
     step_sigma: float = 0.6
     session_median_s: float = 3600.0
     churn: bool = True
+    public_link_mbit: float | None = None
+    """Set: every public peer (the synchronizer, holder and donor candidates) gets a
+    symmetric link of this many Mbit/s instead of a home link (issue 29, item 3 asks
+    that a synchronizer on a 100 Mbit/s link not be a round's bottleneck)."""
 
     def draw(self, rng: random.Random) -> Link:
         """One volunteer's link and machine."""
@@ -79,6 +83,8 @@ class Population:
         nat = PUBLIC
         if rng.random() < self.natted_share:
             nat = RELAYED if rng.random() < self.symmetric_share else NATTED
+        if nat == PUBLIC and self.public_link_mbit is not None:
+            up = down = self.public_link_mbit * MBIT
         step = self.step_s_median * math.exp(rng.gauss(0.0, self.step_sigma))
         session = math.inf
         if self.churn:  # log-normal sessions (heavy tail), median session_median_s

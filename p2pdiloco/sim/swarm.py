@@ -13,9 +13,10 @@ as the real learner does; a delta no round merged is folded into the next one.
 Time is virtual (`virtual_time.run_virtual`): the roles' deadlines, heartbeats and holds
 run on the simulated clock; CPU work costs no simulated time. Bytes are counted by the
 same `transport.traffic.Traffic` a real peer counts with, so a figure here and one from
-real processes are the same quantity. Delta, update and state bytes are those of the
-small model times `payload_scale` (the byte ratio of the preset simulated to the small
-model), charged on the links as such.
+real processes are the same quantity. Simulating a larger preset (`PresetBytes`), each
+delta, update or audited frame is charged on the links the preset's tensor bytes in place
+of the small model's (its header, the contributor lists, as they are), and a state part
+the preset's parameter count in place of the small one's.
 
 Left out on purpose: the DHT's own routing traffic (a lookup is charged its round trips
 and ~200 bytes per hop, not hivemind's exact messages), TCP slow start, and relays' own
@@ -33,8 +34,8 @@ import logging
 import math
 import random
 import statistics
-from collections import defaultdict
-from collections.abc import Iterator
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,14 +45,16 @@ from p2pdiloco import __version__, compress, identity, wire
 from p2pdiloco.config import RunConfig, config_hash, replace
 from p2pdiloco.protocol import membership, rounds
 from p2pdiloco.protocol.membership import Heartbeat
+from p2pdiloco.roles import commit, download, learner_link, replica
 from p2pdiloco.roles.learner_link import LearnerLink
 from p2pdiloco.roles.members import Membership
 from p2pdiloco.roles.replica import ReplicaSync
 from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.roles.synchronizer import Synchronizer
+from p2pdiloco.sim.fair_share import FairShareLinks
 from p2pdiloco.sim.links import PUBLIC, RELAYED, Link, Population
 from p2pdiloco.sim.virtual_time import InlineExecutor, VirtualClock, run_virtual
-from p2pdiloco.transport.base import PeerUnreachable, TransportError
+from p2pdiloco.transport.base import PeerUnreachable, TransportError, transfer_timeout_s
 from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
 from p2pdiloco.transport.traffic import CATEGORIES, PROTOCOL, rpc_category
 from p2pdiloco.trust import record_rules
@@ -67,6 +70,8 @@ LOOKUP_BYTES = 200
 """Bytes one DHT lookup hop costs each way (a find-node request and its answer)."""
 PAYLOAD = ("deltas", "updates", "state", "audits")
 PARAMS = 1024
+BULK_BYTES = 64 * 1024
+"""Transfers above this size share a link's bulk lane (`SimNetwork.transfer`)."""
 """Parameters of the small model whose frames the simulated peers really encode."""
 DRAIN_DEADLINES = 1.5
 """Round deadlines the learners' last deltas get to merge after they stop computing."""
@@ -83,13 +88,16 @@ class SimNetwork(MemoryNetwork):
     other's downlink, take half a round trip to arrive, and lose time to loss; DHT keys
     live on their closest peers, whose links carry every store and read."""
 
-    def __init__(self, clock: VirtualClock, payload_scale: float = 1.0) -> None:
+    def __init__(self, clock: VirtualClock, preset: PresetBytes | None = None) -> None:
         super().__init__(clock.wall)
         self.vclock = clock
         self.links: dict[str, Link] = {}
-        self.payload_scale = payload_scale
+        self.preset = preset
+        self.payload_moved: dict[tuple[str, str, str], float] = defaultdict(float)
+        """(peer, category, "up"/"down") -> payload bytes charged on its links."""
         self.up_free: dict[str, float] = defaultdict(float)
         self.down_free: dict[str, float] = defaultdict(float)
+        self.bulk = FairShareLinks(lambda: clock.elapsed_s, self._rates)
         self.key_bytes: dict[str, float] = defaultdict(float)
         """Bytes each DHT key moved on its replicas' links (stores in, reads out)."""
         self.peer_bytes: dict[str, float] = defaultdict(float)
@@ -99,7 +107,12 @@ class SimNetwork(MemoryNetwork):
         self._replicas: dict[str, list[str]] = {}
 
     def charged(self, category: str, size: int) -> float:
-        return size * self.payload_scale if category in PAYLOAD else float(size)
+        """What a message of the small model weighs as one of the simulated preset's."""
+        if self.preset is None or category not in PAYLOAD:
+            return float(size)
+        if category == "state":
+            return size * self.preset.element_scale
+        return size + self.preset.frame_extra_bytes
 
     def rtt(self, a: str, b: str) -> float:
         la, lb = self.links.get(a), self.links.get(b)
@@ -109,22 +122,38 @@ class SimNetwork(MemoryNetwork):
         return rtt
 
     async def transfer(self, src: str, dst: str, size: float) -> None:
-        """Move `size` bytes from `src` to `dst`: FIFO on src's uplink and dst's downlink."""
+        """Move `size` bytes from `src` to `dst`, arriving half a round trip after the
+        links moved them; a lost segment costs a resend (`size` grows by twice the loss).
+
+        Transfers over `BULK_BYTES` (deltas, updates, state parts of a real preset) share
+        both links fairly with the other bulk flows (`FairShareLinks`; a cancelled call
+        stops taking bandwidth). Smaller ones (heartbeats, records, replies) queue FIFO on
+        src's uplink and dst's downlink, each link a server of its own rate, beside the
+        bulk flows, as a small TCP flow gets its share of a link a bulk flow is filling."""
         if src == dst or size <= 0:
             return
         ls, ld = self.links.get(src), self.links.get(dst)
-        rate = min(ls.up_bps if ls else math.inf, ld.down_bps if ld else math.inf)
-        now = self.vclock.elapsed_s
-        start = max(now, self.up_free[src], self.down_free[dst])
-        busy = size / rate if rate < math.inf else 0.0
-        loss = max(ls.loss if ls else 0.0, ld.loss if ld else 0.0)
-        finish = start + busy * (1 + 2 * loss)  # a lost segment costs a resend
-        self.up_free[src] = self.down_free[dst] = finish
+        size *= 1 + 2 * max(ls.loss if ls else 0.0, ld.loss if ld else 0.0)
         self.peer_bytes[src] += size
         self.peer_bytes[dst] += size
-        delay = finish - now + self.rtt(src, dst) / 2
+        now = self.vclock.elapsed_s
+        if size > BULK_BYTES:
+            await self.bulk.transfer(src, dst, size)
+            finish = self.vclock.elapsed_s
+        else:
+            finish = now
+            for free, peer, rate in ((self.up_free, src, ls.up_bps if ls else math.inf),
+                                     (self.down_free, dst, ld.down_bps if ld else math.inf)):
+                done = max(now, free[peer]) + (size / rate if rate < math.inf else 0.0)
+                free[peer] = done
+                finish = max(finish, done)
+        delay = finish - self.vclock.elapsed_s + self.rtt(src, dst) / 2
         if delay > 0:
             await asyncio.sleep(delay)
+
+    def _rates(self, peer: str) -> tuple[float, float]:
+        link = self.links.get(peer)
+        return (link.up_bps, link.down_bps) if link is not None else (math.inf, math.inf)
 
     def replicas_of(self, key: str) -> list[str]:
         cached = self._replicas.get(key)
@@ -150,9 +179,15 @@ class SimTransport(MemoryTransport):
         if remote is None or remote.client_mode:  # gone, or takes no inbound connection
             await asyncio.sleep(net.rtt(self.peer_id, peer_id) * 2)  # a dial that gets nothing
             raise PeerUnreachable(f"peer {peer_id} is unreachable")
-        await net.transfer(self.peer_id, peer_id, net.charged(category, len(request)))
+        sent = net.charged(category, len(request))
+        net.payload_moved[(self.peer_id, category, "up")] += sent
+        net.payload_moved[(peer_id, category, "down")] += sent
+        await net.transfer(self.peer_id, peer_id, sent)
         response = await super()._call(peer_id, name, request, max_response)
-        await net.transfer(peer_id, self.peer_id, net.charged(category, len(response)))
+        got = net.charged(category, len(response))
+        net.payload_moved[(peer_id, category, "up")] += got
+        net.payload_moved[(self.peer_id, category, "down")] += got
+        await net.transfer(peer_id, self.peer_id, got)
         if net._route(peer_id) is not remote:
             raise PeerUnreachable(f"peer {peer_id} went away during the call")
         return response
@@ -213,6 +248,41 @@ class SimPeer:
         return self.transport.peer_id
 
 
+@dataclass(frozen=True)
+class PresetBytes:
+    """How the small simulated model's payloads are charged as a larger preset's."""
+
+    frame_extra_bytes: float
+    """Added to each delta, update or audited frame: the preset's tensor bytes of one
+    fragment minus the small model's."""
+    element_scale: float
+    """Parameters of the preset per parameter of the small model (state parts, and the
+    roles' deadlines sized by a parameter count)."""
+    frame_scale: float
+    """A preset's delta frame of one fragment over the small model's (the roles'
+    deadlines sized by a frame's bytes)."""
+
+    @classmethod
+    def of(cls, preset_params: int, config: RunConfig) -> PresetBytes:
+        codec = compress.make_codec(config.compress.codec)
+        meta = {
+            "peer": "x" * 52, "base_round": 0, "tokens": 0, "steps": 0, "step_time_s": 0.5,
+            "first_step": 0, "last_step": 0,
+        }  # fmt: skip
+
+        def frame_bytes(params: int) -> int:
+            tensors = compress.encode_tensors(codec, {"p0": torch.zeros(params)})
+            message = wire.Message(kind=wire.CONTRIBUTION, run=RUN, round=0, fragment=0, meta=meta, tensors=tensors)
+            return len(wire.encode_message(message))
+
+        sample = 1 << 16
+        per_param = frame_bytes(sample) / sample  # the header is noise at this size
+        fragments = config.sync.num_fragments
+        extra = per_param * (preset_params - PARAMS) / fragments
+        simulated = frame_bytes(PARAMS // fragments)
+        return cls(extra, preset_params / PARAMS, (simulated + extra) / simulated)
+
+
 def small_state(config: RunConfig) -> GlobalState:
     fragments = config.sync.num_fragments
     params = {f"p{f}": torch.zeros(PARAMS // fragments) for f in range(fragments)}
@@ -240,6 +310,12 @@ class SwarmFigures:
     peer's summary shows: `steps_contributed / steps` at exit)."""
     forks: int = 0
     """(round, fragment) pairs two peers applied with different hashes (must stay 0)."""
+    synchronizer_bytes_per_window: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Payload bytes a synchronizer moved (deltas received, updates sent: pushes and
+    fetches it served) per window it closed in the span, at the simulated preset's size
+    (`PresetBytes`): p50 and max over the peers that closed one (issue 29, item 3)."""
+    windows: int = 0
+    """Windows opened in the span that the chain committed."""
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -254,7 +330,7 @@ class Swarm:
         config: RunConfig,
         population: Population,
         seed: int = 0,
-        payload_scale: float = 1.0,
+        preset: PresetBytes | None = None,
         tokens_per_step: int = 1024,
         step_times_s: list[float] | None = None,
     ) -> None:
@@ -266,7 +342,7 @@ class Swarm:
         self.population = population
         self.rng = random.Random(seed)
         self.clock = VirtualClock()
-        self.network = SimNetwork(self.clock, payload_scale)
+        self.network = SimNetwork(self.clock, preset)
         self.tokens_per_step = tokens_per_step
         self.rules = RunRecordRules(RUN, config.sync.num_fragments)
         self.config_hash = config_hash(config)
@@ -396,7 +472,7 @@ class Swarm:
             kind=wire.CONTRIBUTION, run=RUN, round=round_id, fragment=fragment,
             meta={
                 "peer": peer.peer_id, "base_round": round_id, "tokens": tokens, "steps": steps,
-                "step_time_s": peer.link.step_s, "first_step": peer.steps_done - steps, "last_step": peer.steps_done,
+                "step_time_s": peer.link.step_s, "first_step": max(0, peer.steps_done - steps), "last_step": peer.steps_done,
             },
             tensors=compress.encode_tensors(compress.make_codec(self.config.compress.codec), delta),
         )  # fmt: skip
@@ -454,6 +530,7 @@ class Swarm:
         start = self.clock.elapsed_s
         base = {p.peer_id: dict(p.transport.traffic.bytes) for p in self.peers}
         key_base = dict(self.network.key_bytes)
+        payload_base = dict(self.network.payload_moved)
         peer_base = dict(self.network.peer_bytes)
         # tokens carried into the span (folded, not merged yet) are work it may merge too
         tokens_base = {
@@ -478,6 +555,7 @@ class Swarm:
         span = self.clock.elapsed_s - start
         moved = {p.peer_id: dict(p.transport.traffic.bytes) for p in self.peers}
         key_end, peer_end = dict(self.network.key_bytes), dict(self.network.peer_bytes)
+        self._payload_span = (payload_base, dict(self.network.payload_moved))
         at_stop = {p.peer_id: (p.tokens_computed, p.tokens_merged) for p in self.peers}
         # goodput: the learners stop computing; what they shipped gets a drain to merge
         for peer in self.peers:
@@ -531,6 +609,16 @@ class Swarm:
         )
         merged = sum(p.tokens_merged - tokens_base.get(p.peer_id, (0, 0))[1] for p in self.peers)
         heads = [max(chain) + 1 if chain else 0 for chain in self.peers[0].replicas.chains]
+        closed = self._windows_closed(start)
+        payload_base, payload_end = self._payload_span
+
+        def moved(peer: str, category: str, direction: str) -> float:
+            key = (peer, category, direction)
+            return payload_end.get(key, 0.0) - payload_base.get(key, 0.0)
+
+        per_window = [
+            (moved(p, "deltas", "down") + moved(p, "updates", "up")) / count for p, count in closed.items()
+        ]
         seen: dict[tuple[int, int], set[str]] = defaultdict(set)
         for peer in self.peers:
             for fragment, hashes in enumerate(peer.state.applied_hashes):
@@ -546,6 +634,23 @@ class Swarm:
             round_latency_s=statistics.median(latencies) if latencies else math.nan,
             rounds=sum(heads), goodput=merged / computed if computed else math.nan, stalls=self.stalls,
             forks=sum(len(h) > 1 for h in seen.values()),
+            synchronizer_bytes_per_window=(
+                {"p50": statistics.median(per_window), "max": max(per_window)} if per_window else {}
+            ),
+            windows=sum(closed.values()),
+        )  # fmt: skip
+
+    def _windows_closed(self, start: float) -> Counter[str]:
+        """Synchronizer -> windows opened since `start` that the chain (as any peer
+        applied it) committed under its name."""
+        records: dict[tuple[int, int], str] = {}
+        for peer in self.peers:
+            for fragment, chain in enumerate(peer.replicas.chains):
+                for round_id, record in chain.items():
+                    records.setdefault((fragment, round_id), record.synchronizer)
+        return Counter(
+            records[key] for key, opened in self.window_opened.items()
+            if opened >= start and key in records
         )  # fmt: skip
 
 
@@ -562,22 +667,56 @@ def simulate(
     population: Population | None = None,
     seed: int = 0,
     warmup_s: float = 30.0,
-    payload_scale: float = 1.0,
     step_times_s: list[float] | None = None,
+    update_pushes: int | None = None,
+    preset_params: int = PARAMS,
 ) -> SwarmFigures:
-    """One simulated run of `n` peers for `seconds` of virtual time."""
+    """One simulated run of `n` peers for `seconds` of virtual time. `update_pushes`:
+    how many learners a synchronizer pushes a committed update to beyond its holders
+    (`commit.MORE_PUSHES`; a large number is the former push to every learner).
+    `preset_params`: the parameters of the model preset whose payloads the links carry
+    (`PresetBytes`; the default, the small simulated model itself)."""
     config = config or sim_config()
-    swarm = Swarm(
-        n, config, population or Population(), seed, payload_scale, step_times_s=step_times_s
-    )
+    preset = PresetBytes.of(preset_params, config) if preset_params != PARAMS else None
+    swarm = Swarm(n, config, population or Population(), seed, preset, step_times_s=step_times_s)
     package_log = logging.getLogger("p2pdiloco")
-    level = package_log.level
+    level, pushes = package_log.level, commit.MORE_PUSHES
     package_log.setLevel(logging.ERROR)  # a thousand peers' routine warnings, not the figures
+    if update_pushes is not None:
+        commit.MORE_PUSHES = update_pushes
     try:
-        with shared_verdicts():
+        with shared_verdicts(), scaled_deadlines(preset):
             return run_virtual(swarm.run(seconds, warmup_s), swarm.clock)
     finally:
         package_log.setLevel(level)
+        commit.MORE_PUSHES = pushes
+
+
+@contextlib.contextmanager
+def scaled_deadlines(preset: PresetBytes | None) -> Iterator[None]:
+    """The roles size a payload call's deadline by its size (`transfer_timeout_s`): the
+    committer and the learner link by the frame's bytes, the update fetch and the state
+    download by the fragment's parameter count. Simulating a larger preset, those sizes
+    are the preset's (`PresetBytes`), as a real peer of that preset computes them."""
+    if preset is None:
+        yield
+        return
+    original = transfer_timeout_s
+
+    def scaled_by(factor: float) -> Callable[[float, int], float]:
+        return lambda base_s, size: original(base_s, int(size * factor))
+
+    patched = {
+        commit: preset.frame_scale, learner_link: preset.frame_scale,
+        replica: preset.element_scale, download: preset.element_scale,
+    }  # fmt: skip
+    for module, factor in patched.items():
+        module.transfer_timeout_s = scaled_by(factor)
+    try:
+        yield
+    finally:
+        for module in patched:
+            module.transfer_timeout_s = original
 
 
 @contextlib.contextmanager
