@@ -1,7 +1,7 @@
 """The libp2p transport's routed records in one process: a few hundred `RecordStore`s
 and their routing tables (`SwarmPeers`), joined one by one through a bootstrap peer as
 real peers join, talking through fake calls on trio's mock clock (no py-libp2p import:
-the real-network tests are in test_libp2p_routing_net.py).
+the real-network tests are in tests/net/test_libp2p_routing.py).
 
 - a lookup finds the true closest peers of a key while each peer knows O(log N) others;
 - a peer that knows only the bootstrap reads a record stored by a peer it never met;

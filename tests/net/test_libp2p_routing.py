@@ -1,8 +1,8 @@
 """Routed records on real libp2p peers: separate processes on 127.0.0.1
-(tests/libp2p_routing_peer.py; py-libp2p stays out of the pytest process).
+(tests/net/libp2p_routing_peer.py; py-libp2p stays out of the pytest process).
 
 k = 3 replicas among 6-9 peers, so that a record does not sit on every peer and a read
-can only find it through the routing (the in-process tests in test_libp2p_routing.py show
+can only find it through the routing (the in-process tests in tests/test_libp2p_routing.py show
 the same at a few hundred peers):
 
 - a peer that knows only the bootstrap peer reads a record stored by a peer it never met,
@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from net.harness import (
     PeerProcess,
-    reap_all,
     start_peer_process,
     start_peer_processes,
     write_identity,
@@ -36,15 +35,6 @@ REPLICAS = 3
 PER_REPLICA_S = 5.0
 DHT_TIMEOUT_S = 60.0
 WAIT_S = 120
-
-
-@pytest.fixture(autouse=True)
-def reap_peer_processes() -> Iterator[None]:
-    """Kill every peer process group a test started, whatever the outcome."""
-    try:
-        yield
-    finally:
-        reap_all()
 
 
 def distance(key: str, peer_id: str) -> int:

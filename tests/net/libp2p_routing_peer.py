@@ -1,7 +1,7 @@
-"""A libp2p peer for tests/test_libp2p_routing_net.py: tests/net/transport_peer.py's
+"""A libp2p peer for tests/net/test_libp2p_routing.py: tests/net/transport_peer.py's
 commands on `make_transport("libp2p")`, with the record store sized for a small swarm.
 
-    python tests/libp2p_routing_peer.py --identity PATH [--initial-peer MADDR]...
+    python tests/net/libp2p_routing_peer.py --identity PATH [--initial-peer MADDR]...
         [--replicas K] [--republish-s S] [--per-replica-s S] [--dht-timeout S] [--no-gossip]
 
 `--replicas` sets k (a handful of peers can then show routing: with k = 20 every peer of
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "net"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from transport_peer import emit, run_command  # noqa: E402
 
