@@ -152,6 +152,7 @@ def aggregation(
                     k: v * fragments for k, v in figures.synchronizer_bytes_per_window.items()
                 },
                 "round_latency_s": figures.round_latency_s,
+                "busiest_link_use": figures.busiest_link_use,
                 "goodput": figures.goodput,
                 "rounds": figures.rounds,
                 "windows": figures.windows,
@@ -159,10 +160,11 @@ def aggregation(
                 "real_s": round(time.perf_counter() - started, 1),
             }
             rows[str(m)] = row
-            per_window = row["synchronizer_bytes_per_window"].get("max", math.nan)
+            per_window = row["synchronizer_bytes_per_window"].get("p50", math.nan)
+            use = row["busiest_link_use"].get("public", math.nan)
             print(
-                f"aggregation {design} M={m} F={fragments}: synchronizer max "
-                f"{per_window / 1e6:.0f} MB per window, round latency "
+                f"aggregation {design} M={m} F={fragments}: synchronizer p50 "
+                f"{per_window / 1e6:.0f} MB per window, busiest public link {use:.0%}, round latency "
                 f"{row['round_latency_s']:.1f} s, goodput {row['goodput']:.2f}, "
                 f"{row['windows']} windows ({row['real_s']} s real)",
                 flush=True,

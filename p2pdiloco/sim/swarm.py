@@ -316,6 +316,10 @@ class SwarmFigures:
     (`PresetBytes`): p50 and max over the peers that closed one (issue 29, item 3)."""
     windows: int = 0
     """Windows opened in the span that the chain committed."""
+    busiest_link_use: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The most used link over the span: payload bytes per second over its rate, for the
+    reachable peers' links (`public`: synchronizers, holders, servers) and the client-mode
+    learners' (`client`); 1.0 is a link full the whole span."""
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -619,6 +623,13 @@ class Swarm:
         per_window = [
             (moved(p, "deltas", "down") + moved(p, "updates", "up")) / count for p, count in closed.items()
         ]
+        use: dict[str, float] = {}
+        for peer in self.peers:
+            link = self.network.links[peer.peer_id]
+            kind = "client" if peer.transport.client_mode else "public"
+            up = sum(moved(peer.peer_id, c, "up") for c in PAYLOAD) / span / link.up_bps
+            down = sum(moved(peer.peer_id, c, "down") for c in PAYLOAD) / span / link.down_bps
+            use[kind] = max(use.get(kind, 0.0), up, down)
         seen: dict[tuple[int, int], set[str]] = defaultdict(set)
         for peer in self.peers:
             for fragment, hashes in enumerate(peer.state.applied_hashes):
@@ -638,6 +649,7 @@ class Swarm:
                 {"p50": statistics.median(per_window), "max": max(per_window)} if per_window else {}
             ),
             windows=sum(closed.values()),
+            busiest_link_use=use,
         )  # fmt: skip
 
     def _windows_closed(self, start: float) -> Counter[str]:
