@@ -317,9 +317,11 @@ class SwarmFigures:
     windows: int = 0
     """Windows opened in the span that the chain committed."""
     busiest_link_use: dict[str, float] = dataclasses.field(default_factory=dict)
-    """The most used link over the span: payload bytes per second over its rate, for the
-    reachable peers' links (`public`: synchronizers, holders, servers) and the client-mode
-    learners' (`client`); 1.0 is a link full the whole span."""
+    """The most asked-of link over the span: payload bytes per second the peer's calls put
+    on it (every transfer started, those whose caller gave up included) over its rate, for
+    the reachable peers' links (`public`: synchronizers, holders, servers) and the
+    client-mode learners' (`client`). 1.0 is a link full the whole span; above it, the
+    link cannot carry what the protocol asks of it (calls time out and are retried)."""
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
