@@ -678,3 +678,16 @@ def test_a_contributor_the_chain_named_may_synchronize_and_a_stalled_run_may_be_
     assert canonical_chain(RUN, [*honest, late], GENESIS, open_run=True)[4] == late
     # ... but a named rival of the same round wins over a takeover whatever their ranks
     assert canonical_chain(RUN, [*honest, late, by_c], GENESIS, open_run=True)[4] == by_c
+
+
+def test_the_remembered_chain_is_a_copy_and_follows_new_records() -> None:
+    """`canonical_chain` remembers its answer for inputs it saw (a sync pass between two
+    rounds reads the same records); the caller's copy is its own, and one more record is a
+    new input, never the remembered answer."""
+    r0 = record(0, "a", parent=GENESIS, hash="h0")
+    r1 = record(1, "b", parent="h0", hash="h1", contributors=(("c", 1.0, 64), ("d", 1.0, 64)))
+    first = canonical_chain(RUN, [r0], GENESIS)
+    first.clear()
+    assert canonical_chain(RUN, [r0], GENESIS) == {0: r0}
+    assert canonical_chain(RUN, [r0, r1], GENESIS) == {0: r0, 1: r1}
+    assert r1.named == frozenset({"b", "c", "d"})

@@ -399,43 +399,34 @@ def _named_in_ancestry(
 
 CHAIN_MEMO_SIZE = 64
 """Inputs `canonical_chain` remembers its answer for (most recent first)."""
-_chain_memo: OrderedDict[tuple, dict[int, RoundRecord]] = OrderedDict()
 
 
-def canonical_chain(
-    run: str,
-    records: Iterable[RoundRecord],
-    genesis_hash: str,
-    void: frozenset[str] = frozenset(),
-    *,
-    anchor: tuple[int, str] | None = None,
-    supersede_after_s: float = SUPERSEDE_AFTER_S,
-    open_run: bool = False,
-) -> dict[int, RoundRecord]:
-    """`_canonical_chain`, remembered for the last `CHAIN_MEMO_SIZE` inputs (a pure
+def _remembered(chain_of: Callable[..., dict[int, RoundRecord]]) -> Callable[..., dict[int, RoundRecord]]:
+    """`chain_of`, remembered for its last `CHAIN_MEMO_SIZE` inputs (it is a pure
     function: a replica's sync passes between two rounds read the same records, and the
     swarm simulator's peers read the same DHT). The records are keyed by their signed
-    bytes (whose hash Python keeps), or by their fields where they were never sealed."""
-    records = list(records)
-    key = (
-        run, frozenset(r.sealed or r for r in records), genesis_hash, void, anchor,
-        supersede_after_s, open_run,
-    )  # fmt: skip
-    chain = _chain_memo.get(key)
-    if chain is None:
-        chain = _canonical_chain(
-            run, records, genesis_hash, void, anchor=anchor,
-            supersede_after_s=supersede_after_s, open_run=open_run,
-        )  # fmt: skip
-        _chain_memo[key] = chain
-        if len(_chain_memo) > CHAIN_MEMO_SIZE:
-            _chain_memo.popitem(last=False)
-    else:
-        _chain_memo.move_to_end(key)
-    return dict(chain)
+    bytes (whose hash Python keeps), or by their fields where they were never sealed; a
+    caller gets its own copy of the chain."""
+    memo: OrderedDict[tuple, dict[int, RoundRecord]] = OrderedDict()
+
+    @functools.wraps(chain_of)
+    def remembered(run: str, records: Iterable[RoundRecord], *args: Any, **options: Any) -> dict[int, RoundRecord]:
+        records = list(records)
+        key = (run, frozenset(r.sealed or r for r in records), args, tuple(sorted(options.items())))
+        chain = memo.get(key)
+        if chain is None:
+            chain = memo[key] = chain_of(run, records, *args, **options)
+            if len(memo) > CHAIN_MEMO_SIZE:
+                memo.popitem(last=False)
+        else:
+            memo.move_to_end(key)
+        return dict(chain)
+
+    return remembered
 
 
-def _canonical_chain(
+@_remembered
+def canonical_chain(
     run: str,
     records: Iterable[RoundRecord],
     genesis_hash: str,
