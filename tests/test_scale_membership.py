@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
-from p2pdiloco.config import ConfigError, RunConfig, replace
+from p2pdiloco import wire
+from p2pdiloco.config import ConfigError, OuterConfig, RunConfig, replace
 from p2pdiloco.identity import Identity
 from p2pdiloco.protocol.membership import (
     Heartbeat,
@@ -27,6 +29,8 @@ from p2pdiloco.protocol.rounds import (
     seal_record,
 )
 from p2pdiloco.roles.members import Membership, read_members
+from p2pdiloco.roles.replica import ReplicaSync
+from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.sim.links import LOOPBACK
 from p2pdiloco.sim.swarm import sim_config, simulate
 from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
@@ -129,3 +133,28 @@ def test_records_in_epochs_keep_one_chain_across_epoch_boundaries() -> None:
     assert figures.rounds >= 5, figures.rounds
     assert figures.forks == 0
     assert figures.busiest_key.startswith("p2pdiloco/sim/")
+
+
+def test_a_branch_whose_link_lies_in_an_epoch_read_before_makes_the_replica_read_it_again() -> None:
+    """A rival record stored late in an epoch this replica had moved past was never read:
+    the branch built on it looked like a free start here while other peers counted it from
+    round 0, and the swarm followed two branches for good (simulated at N = 1,000). The
+    replica now reads the epoch of any parent no record it read shows (within bounds)."""
+    state = GlobalState({"w": torch.zeros(4)}, [["w"]], OuterConfig())
+    replica = ReplicaSync(
+        MemoryTransport(MemoryNetwork()), RUN, state, dict, wire.WireLimits(), None,  # type: ignore[arg-type]
+        void_after_s=60.0, epoch_rounds=2,
+    )  # fmt: skip
+
+    def record(round_id: int, parent: str, hash_: str) -> RoundRecord:
+        return RoundRecord(round=round_id, fragment=0, synchronizer="s", hash=hash_, parent=parent)
+
+    linked = [record(10, "h9", "h10"), record(11, "h10", "h11")]
+    replica._epochs_this_pass[0] = {5, 6}
+    assert replica._parent_epochs_unread(0, linked) == {4}  # round 9 lives in epoch 4
+    replica._epochs_this_pass[0] = {4, 5, 6}
+    assert replica._parent_epochs_unread(0, linked) == set()  # read: a free start indeed
+    assert replica._parent_epochs_unread(0, [record(11, "h10", "h11")]) == set()  # same epoch
+    far = [record(200, "h199", "h200")]  # beyond MAX_EPOCHS_PER_READ back from round 300
+    state.rounds[0] = 300
+    assert replica._parent_epochs_unread(0, far) == set()

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -116,6 +116,7 @@ class ReplicaSync:
         """Rounds per records key (`network.record_epoch_rounds`; 0: one key per fragment)."""
         self._raw_records: list[dict[str, tuple[bytes, float]]] = [{} for _ in state.fragments]
         self._epochs_read = [0 for _ in state.fragments]
+        self._epochs_this_pass: list[set[int]] = [set() for _ in state.fragments]
         """With epochs: per fragment, the replica's epoch at the last read (read again from there)."""
         """With epochs: every record read so far (subkey -> sealed, expiration), until it
         expires: the chain is computed over these, a read brings only the new epochs'."""
@@ -189,6 +190,10 @@ class ReplicaSync:
         """The canonical chain of `fragment` from the DHT records (bounded by the transport)."""
         raw = await self._read_records(fragment)
         records = records_of(self.run, raw, fragment, self.entitlement.entitled).values()
+        missing = self._parent_epochs_unread(fragment, records)
+        if missing:  # a branch whose link is in an epoch read before: read it again
+            raw = await self._read_epochs(fragment, missing)
+            records = records_of(self.run, raw, fragment, self.entitlement.entitled).values()
         chain = canonical_chain(
             self.run, records, self.genesis[fragment], frozenset(self.void),
             anchor=self.anchor(fragment), supersede_after_s=self.void_after_s,
@@ -215,6 +220,12 @@ class ReplicaSync:
         if head > ours + 1:  # behind: the head's epochs too (the state download needs them)
             epochs |= {head - 1, head}
         self._epochs_read[fragment] = ours
+        self._epochs_this_pass[fragment] = epochs
+        return await self._read_epochs(fragment, epochs)
+
+    async def _read_epochs(self, fragment: int, epochs: set[int]) -> dict[str, tuple[bytes, float]]:
+        """The records of `epochs`, merged into those read before (expired ones dropped)."""
+        size = self.epoch_rounds
         keys = [rounds_key(self.run, fragment, epoch * size, size) for epoch in sorted(epochs)]
         kept = self._raw_records[fragment]
         for found in await asyncio.gather(*(self.transport.get(key) for key in keys)):
@@ -223,6 +234,27 @@ class ReplicaSync:
         for subkey in [s for s, (_, expiration) in kept.items() if expiration < now]:
             del kept[subkey]
         return dict(kept)
+
+    def _parent_epochs_unread(self, fragment: int, records: Iterable[RoundRecord]) -> set[int]:
+        """Epochs (not read this pass, at most `MAX_EPOCHS_PER_READ` back) holding the
+        parent round of a record whose parent no record read shows.
+
+        A rival record stored late in an epoch this replica had moved past was never read;
+        the branch built on it then looked like a free start here (counted from its start),
+        while the peers that had read it counted it from round 0: two parts of the swarm
+        followed two branches for good (simulated at N = 1,000). Reading the parent's epoch
+        again lets every replica compare the same branches."""
+        if self.epoch_rounds <= 0:
+            return set()
+        size, records = self.epoch_rounds, list(records)
+        known = {(r.round, r.hash) for r in records}
+        floor = self.state.round_of(fragment) // size - MAX_EPOCHS_PER_READ
+        read = self._epochs_this_pass[fragment]
+        return {
+            (r.round - 1) // size for r in records
+            if r.round > 0 and (r.round - 1, r.parent) not in known
+            and floor <= (r.round - 1) // size and (r.round - 1) // size not in read
+        }  # fmt: skip
 
     def _report_superseded(self, records) -> None:  # noqa: ANN001 - RoundRecords just read
         """A `voided` event, once per record, for each committed round a signed re-run
