@@ -85,6 +85,9 @@ def test_sybils_replayed_beats_and_hijack_records_do_not_halt_an_open_run() -> N
 
 
 SKEWED = Path(__file__).resolve().parent / "skewed_peer.py"
+MERGE_WAIT_ROUNDS = 18
+"""Rounds after the step within which each skewed peer's delta must be merged by another
+peer's window (one in three rounds is its own; a loaded machine makes deltas miss some)."""
 
 
 def test_honest_peers_whose_clocks_step_30_s_either_way_still_see_and_are_seen(tmp_path) -> None:
@@ -107,18 +110,27 @@ def test_honest_peers_whose_clocks_step_30_s_either_way_still_see_and_are_seen(t
     wait_all(logs, applied(1), ROUND_WAIT_S)
     step_file.touch()  # the two clocks step now, mid-run
     stepped_at = max(latest_round(log) for log in logs)
-    wait_all(logs, applied(stepped_at + 6), ROUND_WAIT_S)
-    for log in logs:
-        log.drain(quiet_s=1.0, max_s=5.0)
+
+    def merged_by_others(me: int) -> bool:
+        skewed = peers[me].peer_id
+        return any(
+            skewed in e["contributors"]
+            for i, log in enumerate(logs) if i != me for e in log.of("round_closed") if e["round"] > stepped_at + 2
+        )  # fmt: skip
+
+    # about a third of the rounds are the skewed peer's own, and on a loaded machine a
+    # delta may miss a window (folded into the next): wait for the merge, bounded
+    for target in range(stepped_at + 6, stepped_at + 6 + MERGE_WAIT_ROUNDS, 3):
+        wait_all(logs, applied(target), ROUND_WAIT_S)
+        for log in logs:
+            log.drain(quiet_s=1.0, max_s=5.0)
+        if merged_by_others(1) and merged_by_others(2):
+            break
     tables = [log.hashes() for log in logs]
     for key in set.intersection(*(set(t) for t in tables)):
         assert len({t[key] for t in tables}) == 1, key
     for me in (1, 2):
-        skewed = peers[me].peer_id
-        closed_by_others = [
-            e for i, log in enumerate(logs) if i != me for e in log.of("round_closed") if e["round"] > stepped_at + 2
-        ]  # fmt: skip
-        assert any(skewed in e["contributors"] for e in closed_by_others), f"{skewed[-8:]} was never merged"
+        assert merged_by_others(me), f"{peers[me].peer_id[-8:]} was never merged"
     assert all(p.popen.poll() is None for p in peers)
     for peer in peers:
         peer.request_stop(signal.SIGTERM)
