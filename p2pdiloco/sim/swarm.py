@@ -529,9 +529,11 @@ class Swarm:
         time, and measure the last `seconds - warmup_s` of it."""
         for _ in range(self.n):
             self.add_peer()
-        for peer in self.peers:  # joins spread over at most 10 s
-            await self.start_peer(peer)
+        starting = []
+        for peer in self.peers:  # joins spread over at most 10 s, each going on by itself
+            starting.append(asyncio.ensure_future(self.start_peer(peer)))
             await asyncio.sleep(min(0.05, 10.0 / self.n))
+        await asyncio.gather(*starting)
         await asyncio.sleep(max(warmup_s - self.clock.elapsed_s, 0.0))
         start = self.clock.elapsed_s
         base = {p.peer_id: dict(p.transport.traffic.bytes) for p in self.peers}
