@@ -21,11 +21,19 @@ def rendezvous_score(run: str, round_id: int, fragment_id: int, peer_id: str) ->
     return int.from_bytes(digest.digest(), "big")
 
 
+def rendezvous_order(
+    salt: str, round_id: int, fragment_id: int, peer_ids: Iterable[str]
+) -> list[str]:
+    """`peer_ids` (each once) by rendezvous score for (salt, round, fragment), highest
+    first, ties broken by peer id: an order every peer computes alike from the same ids."""
+    unique = set(peer_ids)
+    return sorted(unique, key=lambda p: (-rendezvous_score(salt, round_id, fragment_id, p), p))
+
+
 def synchronizer_order(
     run: str, round_id: int, fragment_id: int, peer_ids: Iterable[str]
 ) -> list[str]:
     """Candidates in failover order: the synchronizer first (ties broken by peer id)."""
-    unique = set(peer_ids)
-    return sorted(unique, key=lambda p: (-rendezvous_score(run, round_id, fragment_id, p), p))
+    return rendezvous_order(run, round_id, fragment_id, peer_ids)
 
 

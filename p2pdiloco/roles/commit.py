@@ -28,7 +28,7 @@ from p2pdiloco.config import RunConfig
 from p2pdiloco.outer.fragment import FragmentState, outer_update
 from p2pdiloco.outer.screening import ScreeningRules
 from p2pdiloco.outer.step import tensor_norm
-from p2pdiloco.protocol.election import rendezvous_score
+from p2pdiloco.protocol.election import rendezvous_order
 from p2pdiloco.protocol.membership import Heartbeat
 from p2pdiloco.protocol.merge import RoundMerge, history_of, max_tokens_per_step, merge_round
 from p2pdiloco.protocol.rounds import (
@@ -121,12 +121,9 @@ def holder_order(
         if b.role == "learner" and not b.client_mode and b.status != "leaving" and p != synchronizer
     }  # fmt: skip
 
-    def ranked(peers: set[str]) -> list[str]:
-        salted = f"{run}/{HOLDERS_SALT}"
-        return sorted(peers, key=lambda p: (-rendezvous_score(salted, round_id, fragment, p), p))
-
-    first = ranked(reachable & set(contributors))
-    return first + ranked(reachable - set(first))
+    salted = f"{run}/{HOLDERS_SALT}"
+    first = rendezvous_order(salted, round_id, fragment, reachable & set(contributors))
+    return first + rendezvous_order(salted, round_id, fragment, reachable - set(first))
 
 
 class Committer:

@@ -38,7 +38,7 @@ import torch
 from p2pdiloco import wire
 from p2pdiloco.outer.fragment import FragmentState, outer_update
 from p2pdiloco.outer.step import tensor_norm
-from p2pdiloco.protocol.election import rendezvous_score
+from p2pdiloco.protocol.election import rendezvous_order
 from p2pdiloco.protocol.membership import Heartbeat, learners, synchronizer_candidates
 from p2pdiloco.protocol.rounds import (
     RoundRecord,
@@ -115,11 +115,12 @@ class ReplicaSync:
         self.epoch_rounds = epoch_rounds
         """Rounds per records key (`network.record_epoch_rounds`; 0: one key per fragment)."""
         self._raw_records: list[dict[str, tuple[bytes, float]]] = [{} for _ in state.fragments]
-        self._epochs_read = [0 for _ in state.fragments]
-        self._epochs_this_pass: list[set[int]] = [set() for _ in state.fragments]
-        """With epochs: per fragment, the replica's epoch at the last read (read again from there)."""
         """With epochs: every record read so far (subkey -> sealed, expiration), until it
         expires: the chain is computed over these, a read brings only the new epochs'."""
+        self._epochs_read = [0 for _ in state.fragments]
+        """With epochs: per fragment, the replica's epoch at the last read (read again from there)."""
+        self._epochs_this_pass: list[set[int]] = [set() for _ in state.fragments]
+        """With epochs: per fragment, the epochs the last pass read (`_parent_epochs_unread`)."""
         self.run = run
         self.state = state
         self.members = members
@@ -568,10 +569,8 @@ class ReplicaSync:
             p for p in live
             if len(members[p].rounds) > record.fragment and members[p].rounds[record.fragment] > record.round
         ]  # fmt: skip
-        salted = f"{record.digest}/{me}"
-        having = sorted(
-            {*record.holders, *past} - {record.synchronizer},
-            key=lambda p: (-rendezvous_score(salted, record.round, record.fragment, p), p),
+        having = rendezvous_order(
+            f"{record.digest}/{me}", record.round, record.fragment, {*record.holders, *past} - {record.synchronizer}
         )
         order = [*having, record.synchronizer, *live]
         return list(dict.fromkeys(p for p in order if p != me))
