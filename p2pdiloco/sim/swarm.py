@@ -71,7 +71,7 @@ LOOKUP_BYTES = 200
 PAYLOAD = ("deltas", "updates", "state", "audits")
 PARAMS = 1024
 BULK_BYTES = 64 * 1024
-"""Transfers above this size share a link's bulk lane (`SimNetwork.transfer`)."""
+"""Transfers above this size share their links fairly with the other bulk flows (`FairShareLinks`)."""
 """Parameters of the small model whose frames the simulated peers really encode."""
 DRAIN_DEADLINES = 1.5
 """Round deadlines the learners' last deltas get to merge after they stop computing."""
