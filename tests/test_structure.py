@@ -88,3 +88,28 @@ def test_the_checker_sees_a_circle_and_an_upward_import(tmp_path: Path) -> None:
     fake["p2pdiloco.wire.b"].imports = {"p2pdiloco.wire.a"}
     assert structure.circles(fake) == [["p2pdiloco.wire.a", "p2pdiloco.wire.b"]]
     assert structure.against_layers(fake) == ["p2pdiloco.wire.a -> p2pdiloco.cli.c"]
+
+
+def defined_twice(source: str) -> list[str]:
+    """Functions a module or class body defines twice: the later one silently replaces the
+    earlier (ruff's F811 does not see a method repeated verbatim)."""
+    twice = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Module | ast.ClassDef):
+            names = [
+                b.name
+                for b in node.body
+                if isinstance(b, ast.FunctionDef | ast.AsyncFunctionDef)
+                and not any(isinstance(d, ast.Attribute) for d in b.decorator_list)  # setters
+            ]
+            twice += sorted({n for n in names if names.count(n) > 1})
+    return twice
+
+
+def test_no_module_or_class_defines_a_function_twice() -> None:
+    found = {
+        str(path.relative_to(ROOT)): defined_twice(path.read_text())
+        for path in (ROOT / "p2pdiloco").rglob("*.py")
+    }
+    assert {path: names for path, names in found.items() if names} == {}
+    assert defined_twice("class A:\n def f(self): pass\n def f(self): pass\n") == ["f"]

@@ -125,11 +125,6 @@ class Synchronizer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     # --- rpc ----------------------------------------------------------------------------
 
     def _reject(self, round_id: int, fragment: int, reason: str, peer: str = "?") -> bytes:
@@ -142,9 +137,6 @@ class Synchronizer:
             {"event": "rejected", "peer": peer, "round": round_id, "fragment": fragment, "reason": reason}
         )
         return messages.reply(self.run, round_id, fragment, self.peer_id, messages.REJECTED, reason=reason)
-
-    def _status(self, round_id: int, fragment: int, status: str, **meta: object) -> bytes:
-        return messages.reply(self.run, round_id, fragment, self.peer_id, status, **meta)
 
     def _status(self, round_id: int, fragment: int, status: str, **meta: object) -> bytes:
         return messages.reply(self.run, round_id, fragment, self.peer_id, status, **meta)
