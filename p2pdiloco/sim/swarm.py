@@ -40,9 +40,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from p2pdiloco import __version__, compress, identity, wire
 from p2pdiloco.config import RunConfig, config_hash, replace
+from p2pdiloco.identity import Identity
 from p2pdiloco.protocol import membership, rounds
 from p2pdiloco.protocol.membership import Heartbeat
 from p2pdiloco.roles import commit, download, learner_link, replica
@@ -77,6 +79,13 @@ DRAIN_DEADLINES = 1.5
 """Round deadlines the learners' last deltas get to merge after they stop computing."""
 
 
+def stable_hash(*parts: object) -> int:
+    """A 64-bit hash of `parts`' text that every process computes alike (Python's own
+    `hash` of a string changes with each interpreter: a seeded run would not repeat)."""
+    text = "\x00".join(map(repr, parts)).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big")
+
+
 def _distance(key: str, peer: str) -> int:
     a = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
     b = int.from_bytes(hashlib.sha256(peer.encode()).digest()[:8], "big")
@@ -88,7 +97,9 @@ class SimNetwork(MemoryNetwork):
     other's downlink, take half a round trip to arrive, and lose time to loss; DHT keys
     live on their closest peers, whose links carry every store and read."""
 
-    def __init__(self, clock: VirtualClock, preset: PresetBytes | None = None) -> None:
+    def __init__(
+        self, clock: VirtualClock, preset: PresetBytes | None = None, seed: int = 0
+    ) -> None:
         super().__init__(clock.wall)
         self.vclock = clock
         self.links: dict[str, Link] = {}
@@ -105,6 +116,15 @@ class SimNetwork(MemoryNetwork):
         self.served_dht: dict[str, float] = defaultdict(float)
         self.on_line: list[str] = []
         self._replicas: dict[str, list[str]] = {}
+        self.id_rng = random.Random(seed)
+
+    def new_peer_id(self) -> str:
+        """A peer id from the swarm's seeded generator, so a run with one seed elects the
+        same synchronizers (rendezvous scores hash the ids) and measures the same figures."""
+        key = Ed25519PrivateKey.from_private_bytes(self.id_rng.randbytes(32))
+        made = Identity.from_key(key)
+        self._identities[made.peer_id] = made
+        return made.peer_id
 
     def charged(self, category: str, size: int) -> float:
         """What a message of the small model weighs as one of the simulated preset's."""
@@ -216,7 +236,7 @@ class SimTransport(MemoryTransport):
         size = sum(len(v) + len(s) for s, (v, _) in records.items())
         net = self.network
         if replicas:
-            source = replicas[hash((self.peer_id, net.vclock.elapsed_s)) % len(replicas)]
+            source = replicas[stable_hash(self.peer_id, net.vclock.elapsed_s) % len(replicas)]
             await net.transfer(source, self.peer_id, size + LOOKUP_BYTES)
             net.served_dht[source] += size
         net.key_bytes[key] += size
@@ -348,7 +368,7 @@ class Swarm:
         self.population = population
         self.rng = random.Random(seed)
         self.clock = VirtualClock()
-        self.network = SimNetwork(self.clock, preset)
+        self.network = SimNetwork(self.clock, preset, seed)
         self.tokens_per_step = tokens_per_step
         self.rules = RunRecordRules(RUN, config.sync.num_fragments)
         self.config_hash = config_hash(config)
@@ -467,7 +487,7 @@ class Swarm:
         size = PARAMS // peer.state.num_fragments
 
         def noise(*key: object) -> torch.Tensor:
-            return torch.randn(size, generator=torch.Generator().manual_seed(hash(key) % 2**31))
+            return torch.randn(size, generator=torch.Generator().manual_seed(stable_hash(*key) % 2**31))
 
         # learners of one model move alike (a shared descent direction, drifting by round)
         # plus their own noise, so the real screening (cosines) sees what it sees in a run
@@ -698,6 +718,8 @@ def simulate(
     package_log = logging.getLogger("p2pdiloco")
     level, pushes = package_log.level, commit.MORE_PUSHES
     package_log.setLevel(logging.ERROR)  # a thousand peers' routine warnings, not the figures
+    drawn = random.getstate()
+    random.seed(seed)  # the roles' own draws (audit sampling, backoff jitter)
     if update_pushes is not None:
         commit.MORE_PUSHES = update_pushes
     try:
@@ -706,6 +728,7 @@ def simulate(
     finally:
         package_log.setLevel(level)
         commit.MORE_PUSHES = pushes
+        random.setstate(drawn)
 
 
 @contextlib.contextmanager
