@@ -30,7 +30,9 @@ def sealed(name: str, **fields) -> bytes:
 
 
 def test_round_trip() -> None:
-    beat = Heartbeat(peer_id=ID["A"], rounds=(3, 4), tokens_per_s=12.5, synchronizing=(1,), maddrs=("/ip4/1",))
+    beat = Heartbeat(
+        peer_id=ID["A"], rounds=(3, 4), tokens_per_s=12.5, synchronizing=(1,), maddrs=("/ip4/1",), joined_at=99.5
+    )
     assert decode_heartbeat(beat.encode()) == beat
     assert open_heartbeat(RUN, ID["A"], seal_heartbeat(KEYS["A"], RUN, beat)) == beat
 

@@ -20,6 +20,7 @@ from p2pdiloco.protocol.membership import (
     members_key,
     seal_heartbeat,
     shard_of_key,
+    synchronizer_candidates,
 )
 from p2pdiloco.protocol.rounds import (
     RoundRecord,
@@ -119,6 +120,49 @@ def test_a_sharded_membership_reads_one_shard_per_beat_and_still_sees_everyone()
         for m in members:
             assert gone.transport.peer_id not in m.view()
             assert len(m.view()) == 11
+
+    asyncio.run(main())
+
+
+def test_a_newcomer_sees_every_shard_at_once_and_is_elected_only_once_everyone_has_read_it() -> None:
+    """8 shards: a newcomer's first beat reads all of them (its view is whole at once,
+    not after 8 beats). The others see it only when their rotation reaches its shard, so
+    it is no candidate in any view (its own included) until a rotation has passed; then
+    it is one in every view. A swarm where nobody has settled yet elects among everyone."""
+    now = [NOW]
+
+    async def main() -> None:
+        network = MemoryNetwork(clock=lambda: now[0])
+        rules = RunRecordRules(RUN, 1)
+
+        async def join() -> Membership:
+            transport = MemoryTransport(network, record_rules=rules)
+            await transport.start()
+            beat = Heartbeat(peer_id=transport.peer_id, status="training")
+            member = Membership(transport, RUN, HEARTBEAT_S, "", lambda: beat, lambda e: None, shards=8)
+            await member.beat()
+            return member
+
+        async def beat_for(periods: int) -> None:
+            for _ in range(periods):
+                now[0] += HEARTBEAT_S
+                for m in members:
+                    await m.beat()
+
+        members = [await join() for _ in range(11)]
+        first = members[0]
+        assert set(synchronizer_candidates(first.view(), settled=first.settled)) == set(first.view())
+        await beat_for(10)  # (8 shards + 2) periods: all 11 settled
+        newcomer = await join()
+        members.append(newcomer)
+        everyone = {m.transport.peer_id for m in members}
+        assert set(newcomer.view()) == everyone
+        assert newcomer.transport.traffic.by_key.keys() >= {member_shard_key(RUN, s, 8) for s in range(8)}
+        for m in members:
+            assert newcomer.transport.peer_id not in synchronizer_candidates(m.view(), settled=m.settled)
+        await beat_for(10)
+        for m in members:
+            assert set(synchronizer_candidates(m.view(), settled=m.settled)) == everyone
 
     asyncio.run(main())
 

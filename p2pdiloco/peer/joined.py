@@ -107,6 +107,7 @@ class JoinedPeer:
             audit_share=config.sync.audit_share, epoch_rounds=config.network.record_epoch_rounds,
         )
         self.members.clock_voters = self.replicas.entitlement.votes_on_clock
+        self.replicas.entitlement.settled = self.members.settled
         # the saved global state goes in before anyone takes a base from the replica (the
         # learner below), after ReplicaSync took the initial hashes its chains start from
         self.checkpoint_dir = concrete_dir(options)

@@ -139,6 +139,10 @@ class Heartbeat:
     """Seconds after `sent_at` the peer counts as live without a newer beat (4 periods).
     0: a beat that signs no time (tools, tests), judged by its DHT expiry alone; the
     record rules refuse it on the network."""
+    joined_at: float = 0.0
+    """Swarm time (s) of the peer's first beat this session. A sharded run elects it only
+    once every peer has read its shard since (`Membership.settled`); 0: not said (a beat
+    of an older peer or a tool), counted as long settled."""
 
     def live_until(self, expiration: float) -> float:
         """Swarm time until which this beat, stored until `expiration`, shows its peer live."""
@@ -185,6 +189,7 @@ _SCALARS: dict[str, tuple[type, ...]] = {
     "audits_unverifiable": (int,),
     "sent_at": (int, float),
     "live_s": (int, float),
+    "joined_at": (int, float),
 }
 
 
@@ -405,6 +410,7 @@ def synchronizer_candidates(
     members: Mapping[str, Heartbeat],
     entitled: Callable[[Heartbeat], bool] | None = None,
     proven: Collection[str] | None = None,
+    settled: Callable[[Heartbeat], bool] | None = None,
 ) -> list[str]:
     """Peers that may be elected: live learners that accept connections and are entitled
     (in a certified run: hold an operator certificate as synchronizer).
@@ -413,7 +419,12 @@ def synchronizer_candidates(
     `proven` (peers the canonical chain shows reachable), unless none of those is live,
     then all of them (the run must not halt when its proven peers have left). A free
     identity with a heartbeat is then never elected: it would only make learners fail
-    over through an address nobody can reach."""
+    over through an address nobody can reach.
+
+    With `settled` (a sharded membership, `Membership.settled`): only those whose beat
+    every peer has read by now, unless none is, then all of them. A peer that joined
+    within the last rotation is in some views and not in others: elected by some, it
+    made rival records for its round (issue 29, N = 1,000)."""
     eligible = sorted(
         p
         for p, b in members.items()
@@ -423,9 +434,9 @@ def synchronizer_candidates(
         and (entitled is None or entitled(b))
     )
     if proven:
-        shown = [p for p in eligible if p in proven]
-        if shown:
-            return shown
+        eligible = [p for p in eligible if p in proven] or eligible
+    if settled is not None:
+        eligible = [p for p in eligible if settled(members[p])] or eligible
     return eligible
 
 

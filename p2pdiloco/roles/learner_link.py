@@ -20,7 +20,7 @@ from collections.abc import Callable
 from p2pdiloco import wire
 from p2pdiloco.config import SyncConfig
 from p2pdiloco.protocol.election import synchronizer_order
-from p2pdiloco.protocol.membership import Heartbeat, synchronizer_candidates
+from p2pdiloco.protocol.membership import Heartbeat
 from p2pdiloco.protocol.rounds import RoundRecord, open_record
 from p2pdiloco.roles.replica import ReplicaSync
 from p2pdiloco.transport.base import Transport, TransportError, transfer_timeout_s
@@ -84,8 +84,7 @@ class LearnerLink:
     def candidates(self, round_id: int, fragment: int) -> list[str]:
         """Failover order of synchronizers for (round, fragment) in this peer's view: in an
         open run with committed rounds, only peers the canonical chain shows reachable."""
-        entitlement = self.replicas.entitlement
-        members = synchronizer_candidates(self.members(), entitlement.may_synchronize, entitlement.proven(fragment, round_id))
+        members = self.replicas.entitlement.candidates(self.members(), fragment, round_id)
         return synchronizer_order(self.run, round_id, fragment, members)
 
     async def reachable_candidates(self, round_id: int, fragment: int) -> tuple[list[str], list[str]]:

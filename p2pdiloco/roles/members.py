@@ -35,6 +35,8 @@ BEAT_TIMEOUT_S = 30.0
 """Deadline of one heartbeat (a store and a read)."""
 MIN_SHARD_VOTES = 5
 """Sharded membership: beats a shard must show before they re-estimate the swarm clock."""
+SWEEP_READS_AT_ONCE = 16
+"""Shard reads in flight at once during a newcomer's sweep of the whole membership."""
 BARRIER_POLL_S = 0.25
 """How often the start barrier re-reads the membership."""
 
@@ -60,6 +62,8 @@ class Membership:
         self._remembered: dict[str, tuple[Heartbeat, int, float]] = {}
         """Sharded: peer -> (its last live beat, its shard, local monotonic time read)."""
         self._reads = 0
+        self.joined_at: float | None = None
+        """Swarm time of our first beat this session (signed in every beat)."""
         self.run = run
         self.heartbeat_s = heartbeat_s
         self.config_hash = config_hash
@@ -87,14 +91,21 @@ class Membership:
         """Our heartbeat signed at swarm time, with the DHT expiration it may have."""
         sent_at = self.now()
         live_s = 4 * self.heartbeat_s
-        beat = dataclasses.replace(self.own_heartbeat(), sent_at=sent_at, live_s=live_s)
+        if self.joined_at is None:
+            self.joined_at = sent_at
+        beat = dataclasses.replace(
+            self.own_heartbeat(), sent_at=sent_at, live_s=live_s, joined_at=self.joined_at
+        )
         return seal_heartbeat(self.transport.identity, self.run, beat), sent_at + live_s + CLOCK_SLACK_S
 
     def view(self) -> dict[str, Heartbeat]:
         """This peer's current view of the live membership (itself included until it leaves)."""
         view = dict(self.live)
         if not self.leaving:
-            view[self.transport.peer_id] = self.own_heartbeat()
+            own = self.own_heartbeat()
+            if self.joined_at is not None:  # as the others read it: not settled at once
+                own = dataclasses.replace(own, joined_at=self.joined_at)
+            view[self.transport.peer_id] = own
         return view
 
     async def beat(self) -> None:
@@ -105,9 +116,44 @@ class Membership:
         await self.transport.store(
             member_shard_key(self.run, own, self.shards), self.transport.peer_id, sealed, expiration
         )
+        if self.shards > 1 and self._reads == 0:
+            await self.sweep()
+            return
         shard = self.next_shard()
         records = await self.transport.get(member_shard_key(self.run, shard, self.shards))
         self.refresh(records, shard)
+
+    async def sweep(self) -> None:
+        """Read every shard once (a sharded run's first beat): a newcomer elects from the
+        whole membership at once instead of from the few shards its rotation has reached
+        (one shard per beat: a full view only after `shards` beats, over four minutes at
+        128 shards, while its elections disagreed with everyone else's). It costs one read
+        of the whole membership, ~0.7 kB per member, once per session."""
+        keys = [member_shard_key(self.run, shard, self.shards) for shard in range(self.shards)]
+        limit = asyncio.Semaphore(SWEEP_READS_AT_ONCE)
+
+        async def read(key: str) -> dict[str, tuple[bytes, float]]:
+            async with limit:
+                return await self.transport.get(key)
+
+        shown = await asyncio.gather(*(read(key) for key in keys), return_exceptions=True)
+        self.next_shard()  # the rotation starts after the sweep
+        for shard, records in enumerate(shown):
+            if isinstance(records, dict):
+                self.refresh(records, shard)
+
+    @property
+    def settle_s(self) -> float:
+        """How long after joining every peer has read a member's beat: one rotation through
+        the shards (and two periods of slack); 0 with one members key (every beat reads
+        it whole)."""
+        return 0.0 if self.shards == 1 else (self.shards + 2) * self.heartbeat_s
+
+    def settled(self, beat: Heartbeat) -> bool:
+        """Whether every peer reading the membership has seen `beat`'s peer by now (it
+        joined at least `settle_s` ago): only such a peer is elected synchronizer by a
+        sharded swarm (`synchronizer_candidates`), so the peers that elect agree."""
+        return beat.joined_at <= self.now() - self.settle_s
 
     def next_shard(self) -> int:
         """The shard this beat reads: a rotation through all of them, in an order of this

@@ -21,7 +21,7 @@ from p2pdiloco.config import RunConfig
 from p2pdiloco.outer.screening import Candidate, ScreeningRules
 from p2pdiloco.protocol.election import synchronizer_order
 from p2pdiloco.protocol.intake import Refused, check_contribution
-from p2pdiloco.protocol.membership import Heartbeat, learners, synchronizer_candidates
+from p2pdiloco.protocol.membership import Heartbeat, learners
 from p2pdiloco.protocol.windows import (
     Close,
     Expire,
@@ -209,8 +209,7 @@ class Synchronizer:
         Peers a learner reported unreachable are skipped, so failover past a dead
         synchronizer whose heartbeat has not expired yet still finds a window here.
         """
-        entitlement = self.replicas.entitlement
-        candidates = set(synchronizer_candidates(self.members(), entitlement.may_synchronize, entitlement.proven(fragment, round_id))) - unreachable
+        candidates = set(self.replicas.entitlement.candidates(self.members(), fragment, round_id)) - unreachable
         candidates.add(self.peer_id)
         top = synchronizer_order(self.run, round_id, fragment, candidates)[0]
         return None if top == self.peer_id else top

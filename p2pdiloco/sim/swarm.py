@@ -435,6 +435,7 @@ class Swarm:
             epoch_rounds=self.config.network.record_epoch_rounds,
         )  # fmt: skip
         members.clock_voters = replicas.entitlement.votes_on_clock
+        replicas.entitlement.settled = members.settled
         synchronizer = Synchronizer(
             transport,
             RUN,

@@ -4,9 +4,9 @@ merge, and, in an open run, only peers the canonical chain shows reachable."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from p2pdiloco.protocol.membership import CLOCK_SLACK_S, Heartbeat
+from p2pdiloco.protocol.membership import CLOCK_SLACK_S, Heartbeat, synchronizer_candidates
 from p2pdiloco.protocol.rounds import RoundRecord
 from p2pdiloco.trust.admission import Admission
 from p2pdiloco.trust.record_rules import record_time_refusal
@@ -31,6 +31,9 @@ class Entitlement:
         serve its contributions), with until when (DHT time): not elected here meanwhile.
         Local, like its reason (a refusal cannot be proven to others): their records
         still count as any other's, so nothing that forks depends on it."""
+        self.settled: Callable[[Heartbeat], bool] | None = None
+        """Whether every peer has read a member's beat by now (`Membership.settled`, set
+        where the roles are built); None: every live member counts as settled."""
         self._chains: Sequence[dict[int, RoundRecord]] = ()
         self._proven: dict[tuple, tuple[dict[int, RoundRecord], frozenset[str]]] = {}
         self._verdicts: dict[tuple[str, tuple[bytes, ...]], float | None] = {}
@@ -98,6 +101,11 @@ class Entitlement:
                 self._proven.clear()
             cached = self._proven[key] = (chain, self._proven_in(chain, bound))
         return cached[1] or None
+
+    def candidates(self, members: Mapping[str, Heartbeat], fragment: int, round_id: int) -> list[str]:
+        """Who this peer may elect synchronizer of (round, fragment) among `members`: the
+        entitled, proven, settled live learners (`synchronizer_candidates`)."""
+        return synchronizer_candidates(members, self.may_synchronize, self.proven(fragment, round_id), self.settled)
 
     def votes_on_clock(self, beat: Heartbeat) -> bool:
         """Whether `beat`'s signed send time may set the swarm clock: in a certified run,
