@@ -191,3 +191,45 @@ def test_a_learner_answered_late_follows_the_chain_to_its_head() -> None:
         assert third.state.current_hash(0) == top.state.current_hash(0)
 
     run(scenario())
+
+
+def test_a_synchronizer_a_round_behind_its_learners_catches_up_and_takes_their_deltas() -> None:
+    """Round 1's synchronizer contributed to round 0 but has not applied it (its delta
+    went out as a bare call, and no heartbeat loop runs here: nothing moves its replica).
+    Round 0's other learners, at round 1, send it their deltas: it follows the chain at
+    once and merges them. It answered "behind" before, and the learners went round the
+    candidates ("moved" back to it) until they gave up: a third of the contribution
+    replies at N = 1,000 (issue 29)."""
+
+    async def scenario() -> None:
+        network = MemoryNetwork()
+        while True:  # a swarm whose synchronizers of rounds 0 and 1 differ
+            ids = [network.new_peer_id() for _ in range(3)]
+            if synchronizer_order(RUN, 0, 0, ids)[0] != synchronizer_order(RUN, 1, 0, ids)[0]:
+                break
+        peers = {p: Peer(network, p, ids) for p in ids}
+        for peer in peers.values():
+            await peer.transport.start()
+            await peer.replicas.start()
+            await peer.sync.start()
+        top = peers[synchronizer_order(RUN, 0, 0, ids)[0]]
+        behind = peers[synchronizer_order(RUN, 1, 0, ids)[0]]
+        learners = [p for p in peers.values() if p is not behind]
+        bare = asyncio.ensure_future(
+            behind.transport.call(
+                top.peer_id, f"{RUN}.{messages.RPC_CONTRIBUTE}",
+                seal_contribution(behind.transport.identity, RUN, behind.frame(0)), 30,
+            )
+        )  # fmt: skip
+        while not top.sync.windows.get((0, 0)):
+            await asyncio.sleep(0.01)
+        first = await asyncio.gather(*(p.link.contribute(0, 0, p.frame(0)) for p in learners))
+        assert wire.decode_message(await bare, LIMITS).meta["status"] == messages.MERGED
+        assert behind.peer_id in top.replicas.committed(0, 0).named
+        assert {o.status for o in first} <= {messages.MERGED, messages.LATE}
+        assert behind.state.round_of(0) == 0 and top.state.round_of(0) == 1
+        second = await asyncio.gather(*(p.link.contribute(0, 1, p.frame(1)) for p in learners))
+        assert [(o.status, o.synchronizer) for o in second] == [(messages.MERGED, behind.peer_id)] * 2
+        assert {p.state.current_hash(0) for p in peers.values()} == {behind.state.current_hash(0)}
+
+    run(scenario())
