@@ -27,8 +27,13 @@ from collections.abc import Callable, Iterable, Mapping
 from p2pdiloco import wire
 from p2pdiloco.peer.saved_state import SavedFragment, justifying_chain, read_fragment, save_fragment
 from p2pdiloco.protocol.membership import Heartbeat
-from p2pdiloco.protocol.rounds import RoundRecord, record_subkey, records_of, rounds_key
-from p2pdiloco.roles.commit import ROUND_RECORD_TTL_S
+from p2pdiloco.protocol.rounds import (
+    ROUND_RECORD_TTL_S,
+    RoundRecord,
+    record_subkey,
+    records_of,
+    rounds_key,
+)
 from p2pdiloco.roles.replica import ReplicaSync
 from p2pdiloco.roles.state import GlobalState
 

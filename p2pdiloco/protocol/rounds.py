@@ -78,6 +78,10 @@ def epoch_of_key(run: str, fragment: int, key: str) -> tuple[int, int] | None:
     return (epoch_rounds, epoch) if 1 <= epoch_rounds <= MAX_EPOCH_ROUNDS else None
 
 
+ROUND_RECORD_TTL_S = 3600.0
+"""How long a round record is kept (in the DHT, and by a replica that read it), seconds."""
+
+
 def record_subkey(round_id: int, synchronizer: str) -> str:
     """Subkey of one synchronizer's record of a round: two racing records never overwrite."""
     return f"{round_id}/{synchronizer}"

@@ -32,6 +32,7 @@ from p2pdiloco.protocol.election import rendezvous_order
 from p2pdiloco.protocol.membership import Heartbeat
 from p2pdiloco.protocol.merge import RoundMerge, history_of, max_tokens_per_step, merge_round
 from p2pdiloco.protocol.rounds import (
+    ROUND_RECORD_TTL_S,
     RoundRecord,
     counted_records,
     record_subkey,
@@ -56,8 +57,6 @@ from p2pdiloco.wire.updates import Update, new_update
 
 log = logging.getLogger(__name__)
 
-ROUND_RECORD_TTL_S = 3600.0
-"""How long round records stay in the DHT, seconds."""
 HOLD_TIMEOUT_S = 20.0
 """Deadline for a holder to take an update, seconds, plus the update's bytes at the
 slowest expected link (`transfer_timeout_s`)."""

@@ -41,12 +41,14 @@ from p2pdiloco.outer.step import tensor_norm
 from p2pdiloco.protocol.election import rendezvous_order
 from p2pdiloco.protocol.membership import Heartbeat, learners, synchronizer_candidates
 from p2pdiloco.protocol.rounds import (
+    ROUND_RECORD_TTL_S,
     RoundRecord,
     canonical_chain,
     records_of,
     rounds_key,
     superseded_digests,
 )
+from p2pdiloco.roles import peer_records
 from p2pdiloco.roles.audits import Audits
 from p2pdiloco.roles.download import StateDownload
 from p2pdiloco.roles.serving import UpdateServer
@@ -133,6 +135,11 @@ class ReplicaSync:
         split-view fault injection, which makes this peer commit a round alone)."""
         self.entitlement = Entitlement(run, admission or Admission(), transport.now)
         self.server = UpdateServer(transport, run, state, limits, worker)
+        self.server.records = lambda fragment, from_round: peer_records.served(
+            self._raw_records[fragment], from_round, self.transport.now()
+        )
+        self._record_passes = [0 for _ in state.fragments]
+        """With epochs: sync passes per fragment (every `DHT_READ_EVERY`th reads the DHT)."""
         self.server.synchronizers = lambda: synchronizer_candidates(
             self.members(), self.entitlement.may_synchronize, self.entitlement.proven_anywhere()
         )
@@ -210,6 +217,11 @@ class ReplicaSync:
         further on, merged into the records read before (expired ones dropped)."""
         if self.epoch_rounds <= 0:
             return await self.transport.get(rounds_key(self.run, fragment))
+        self._record_passes[fragment] += 1
+        if self._record_passes[fragment] % peer_records.DHT_READ_EVERY:
+            from_peer = await self._records_from_peer(fragment)
+            if from_peer is not None:
+                return from_peer
         size = self.epoch_rounds
         ours = self.state.round_of(fragment) // size
         # every epoch from the last one read on (a replica that advanced by a learner's
@@ -223,6 +235,32 @@ class ReplicaSync:
         self._epochs_read[fragment] = ours
         self._epochs_this_pass[fragment] = epochs
         return await self._read_epochs(fragment, epochs)
+
+    async def _records_from_peer(self, fragment: int) -> dict[str, tuple[bytes, float]] | None:
+        """The records read so far plus those one reachable peer holds of this replica's
+        epoch and the next (`peer_records`); None when no peer answered (read the DHT)."""
+        me, round_id = self.transport.peer_id, self.state.round_of(fragment)
+        peer = peer_records.records_source(me, self.members(), fragment, round_id, self._record_passes[fragment])
+        if peer is None:
+            return None
+        try:
+            raw = await self.transport.call(
+                peer, f"{self.run}.{peer_records.RPC_GET_RECORDS}",
+                peer_records.records_request(self.run, fragment, round_id, me),
+                timeout_s=peer_records.RECORDS_TIMEOUT_S, max_response_bytes=peer_records.MAX_REPLY_BYTES,
+            )  # fmt: skip
+        except TransportError:
+            return None
+        sealed = peer_records.parse_records_reply(raw, self.limits, self.run)
+        if isinstance(sealed, str):
+            log.info("records refused peer=%s reason=%r", peer[-8:], sealed)
+            return None
+        first = round_id // self.epoch_rounds * self.epoch_rounds
+        kept, now = self._raw_records[fragment], self.transport.now()
+        rounds = range(first, first + 2 * self.epoch_rounds)
+        peer_records.admit(kept, sealed, self.run, fragment, rounds, ROUND_RECORD_TTL_S, now)
+        self._epochs_this_pass[fragment] = set()
+        return {s: v for s, v in kept.items() if v[1] >= now}
 
     async def _read_epochs(self, fragment: int, epochs: set[int]) -> dict[str, tuple[bytes, float]]:
         """The records of `epochs`, merged into those read before (expired ones dropped)."""

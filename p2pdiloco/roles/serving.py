@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from p2pdiloco import wire
 from p2pdiloco.outer.fragment import FragmentState
 from p2pdiloco.protocol.election import synchronizer_order
+from p2pdiloco.roles import peer_records
 from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.transport.base import Transport
 from p2pdiloco.transport.ratelimit import RateLimiter
@@ -59,6 +60,9 @@ synchronizer order (the elected one and its failovers), as this peer sees the me
 HOLD_ROUNDS_AHEAD = 2
 """A frame is held for rounds from the fragment's current one - 1 to this many ahead (a
 holder lagging a round or two behind its synchronizer still holds)."""
+RECORD_READS_PER_S = 2.0
+"""`get_records` answered per caller and fragment per second, on average (a replica asks
+at most once per sync pass, one pass per beat)."""
 
 
 def hold_refusal(
@@ -136,6 +140,11 @@ class UpdateServer:
         self.worker = worker
         self.store = ServedFrames()
         self.synchronizers: Callable[[], list[str]] = lambda: []
+        self.records: Callable[[int, int], list[bytes]] = lambda fragment, from_round: []
+        """The sealed records this peer holds of (fragment) from a round on (set by the
+        replica: `peer_records.served` over what it read)."""
+        self.records_limiter = RateLimiter(rate_per_s=RECORD_READS_PER_S * state.num_fragments, burst=8 * state.num_fragments)
+        """`get_records` answered per caller."""
         """The peers this replica sees as synchronizer candidates (`hold_refusal`)."""
         self._serving: dict[int, FragmentState] = {}
         """Per fragment, the snapshot whose parts are being served (replaced once stale)."""
@@ -165,6 +174,7 @@ class UpdateServer:
             (messages.RPC_HOLD_UPDATE, self.rpc_hold_update, self.limits.max_frame_bytes),
             (messages.RPC_GET_UPDATE, self.rpc_get_update, 1 << 16),
             (messages.RPC_GET_STATE, self.rpc_get_state, 1 << 16),
+            (peer_records.RPC_GET_RECORDS, self.rpc_get_records, 1 << 12),
         ):
             await self.transport.register_handler(f"{self.run}.{name}", handler, max_request)
 
@@ -189,6 +199,18 @@ class UpdateServer:
             return self._reply(update.round, update.fragment, messages.REJECTED, reason=reason)
         self.store.hold(update, caller)
         return self._reply(update.round, update.fragment, messages.HELD, digest=update.digest)
+
+    async def rpc_get_records(self, caller: str, request: bytes) -> bytes:
+        """The round records this peer holds of a fragment from a round on
+        (`peer_records`: a replica asks a peer three passes in four, not the DHT key)."""
+        msg = self._small_request(request, peer_records.RECORDS_REQUEST)
+        if isinstance(msg, bytes):
+            return msg
+        if not self.records_limiter.allow(caller):
+            log.warning("rpc_rejected reason=rate_limited name=get_records caller=%s", caller[-8:])
+            return self._reply(msg.round, msg.fragment, messages.REJECTED, reason="get_records rate limited")
+        sealed = self.records(msg.fragment, msg.round)
+        return peer_records.records_reply(self.run, msg.fragment, self.transport.peer_id, sealed)
 
     def _small_request(self, request: bytes, kind: str) -> wire.Message | bytes:
         """A valid request of `kind` for one of our fragments, or the rejection to answer."""

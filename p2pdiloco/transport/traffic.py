@@ -27,6 +27,7 @@ _RPC_CATEGORY = {
     "hold_update": "updates",
     "get_state": "state",
     "get_contributions": "audits",
+    "get_records": "records",
 }
 
 
