@@ -406,6 +406,13 @@ def swarm_offset_s(
     return max(-MAX_CLOCK_OFFSET_S, min(MAX_CLOCK_OFFSET_S, median))
 
 
+def settle_s(shards: int, heartbeat_s: float) -> float:
+    """Seconds after a peer joins by which every member has read its beat: one rotation
+    through the membership shards (one per beat) and two periods of slack; 0 with one
+    members key, which every beat reads whole (`Membership.settled`)."""
+    return 0.0 if shards <= 1 else (shards + 2) * heartbeat_s
+
+
 def synchronizer_candidates(
     members: Mapping[str, Heartbeat],
     entitled: Callable[[Heartbeat], bool] | None = None,

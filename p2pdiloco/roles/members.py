@@ -25,6 +25,7 @@ from p2pdiloco.protocol.membership import (
     member_shard_key,
     open_members,
     seal_heartbeat,
+    settle_s,
     swarm_offset_s,
 )
 from p2pdiloco.transport.base import Transport, TransportError
@@ -147,7 +148,7 @@ class Membership:
         """How long after joining every peer has read a member's beat: one rotation through
         the shards (and two periods of slack); 0 with one members key (every beat reads
         it whole)."""
-        return 0.0 if self.shards == 1 else (self.shards + 2) * self.heartbeat_s
+        return settle_s(self.shards, self.heartbeat_s)
 
     def settled(self, beat: Heartbeat) -> bool:
         """Whether every peer reading the membership has seen `beat`'s peer by now (it
