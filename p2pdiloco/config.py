@@ -412,10 +412,11 @@ class NetworkConfig:
             "network.member_shards",
             f"must be a power of two from 1 to 1024, got {shards!r}",
         )
+        epoch = self.record_epoch_rounds
         _check(
-            isinstance(self.record_epoch_rounds, int) and 0 <= self.record_epoch_rounds <= 4096,
+            isinstance(epoch, int) and 0 <= epoch <= 4096 and epoch & (epoch - 1) == 0,
             "network.record_epoch_rounds",
-            f"must be from 0 to 4096, got {self.record_epoch_rounds!r}",
+            f"must be 0 or a power of two up to 4096, got {epoch!r}",
         )
 
 

@@ -202,3 +202,44 @@ def test_a_branch_whose_link_lies_in_an_epoch_read_before_makes_the_replica_read
     far = [record(200, "h199", "h200")]  # beyond MAX_EPOCHS_PER_READ back from round 300
     state.rounds[0] = 300
     assert replica._parent_epochs_unread(0, far) == set()
+
+
+def test_hivemind_finds_shard_and_epoch_keys_by_their_hash_for_a_learner_and_a_bootstrap() -> None:
+    """hivemind shows its validator a key's hash only. The validator knew the run's fixed
+    keys, so it refused every sharded heartbeat and every epoch record a real peer stored
+    (a sharded run formed no swarm outside the simulator). The key now follows from the
+    subkey and the run's layout; a bootstrap node, which has no run config, tries every
+    layout a run may choose."""
+    import time
+
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from p2pdiloco.transport.hivemind_dht import RunRecordValidator
+    from p2pdiloco.trust.record_rules import bootstrap_rules
+
+    now = time.time()
+    peer = Identity.generate()
+    beat = seal_heartbeat(peer, RUN, Heartbeat(peer_id=peer.peer_id, sent_at=now, live_s=8.0))
+    closed = RoundRecord(round=17, fragment=1, synchronizer=peer.peer_id, hash="h", closed_at=now)
+    record = seal_record(peer, RUN, closed)
+
+    def stored(key: str, subkey: str, value: bytes) -> DHTRecord:
+        return DHTRecord(
+            key=DHTID.generate(source=key).to_bytes(), subkey=MSGPackSerializer.dumps(subkey),
+            value=MSGPackSerializer.dumps(value), expiration_time=now + 8.0 if "members" in key else now + 60,
+        )  # fmt: skip
+
+    own = member_shard(peer.peer_id, 16)
+    learner = RunRecordValidator(RunRecordRules(RUN, 2, member_shards=16, epoch_rounds=8))
+    bootstrap = RunRecordValidator(bootstrap_rules(RUN, None, RunRecordRules(RUN, 1).admission))
+    for validator in (learner, bootstrap):
+        assert validator.validate(stored(member_shard_key(RUN, own, 16), peer.peer_id, beat))
+        assert not validator.validate(stored(member_shard_key(RUN, (own + 1) % 16, 16), peer.peer_id, beat))
+        assert validator.validate(stored(rounds_key(RUN, 1, 17, 8), record_subkey(17, peer.peer_id), record))
+        assert not validator.validate(stored(rounds_key(RUN, 1, 8, 8), record_subkey(17, peer.peer_id), record))
+        assert not validator.validate(stored("p2pdiloco/another/key", peer.peer_id, beat))
+    # a learner refuses another layout than its run's (the bootstrap takes any)
+    assert not learner.validate(stored(member_shard_key(RUN, member_shard(peer.peer_id, 8), 8), peer.peer_id, beat))
+    assert bootstrap.validate(stored(rounds_key(RUN, 1, 17, 4), record_subkey(17, peer.peer_id), record))

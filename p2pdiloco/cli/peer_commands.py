@@ -93,7 +93,10 @@ def cmd_join(args: argparse.Namespace) -> int:
         raise ConfigError(f"peer.crash_at (--crash-at, P2PDILOCO_CRASH_AT): {exc}") from None
     config = dataclasses.replace(config, peer=dataclasses.replace(peer, crash_at=crash_at))
     config = with_checkpoint_dir(config)  # "auto": a folder of the user's data directory, claimed
-    rules = RunRecordRules(config.peer.run, config.sync.num_fragments, admission)
+    network = config.network
+    rules = RunRecordRules(
+        config.peer.run, config.sync.num_fragments, admission, network.member_shards, network.record_epoch_rounds
+    )
     progress = _PhaseProgress()
     daemon = PeerDaemon(
         config,

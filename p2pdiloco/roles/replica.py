@@ -140,6 +140,8 @@ class ReplicaSync:
         )
         self._record_passes = [0 for _ in state.fragments]
         """With epochs: sync passes per fragment (every `DHT_READ_EVERY`th reads the DHT)."""
+        self._records_from_peers: set[int] = set()
+        """Fragments whose records a peer has served us (told once, as an event)."""
         self.server.synchronizers = lambda: synchronizer_candidates(
             self.members(), self.entitlement.may_synchronize, self.entitlement.proven_anywhere()
         )
@@ -258,7 +260,10 @@ class ReplicaSync:
         first = round_id // self.epoch_rounds * self.epoch_rounds
         kept, now = self._raw_records[fragment], self.transport.now()
         rounds = range(first, first + 2 * self.epoch_rounds)
-        peer_records.admit(kept, sealed, self.run, fragment, rounds, ROUND_RECORD_TTL_S, now)
+        added = peer_records.admit(kept, sealed, self.run, fragment, rounds, ROUND_RECORD_TTL_S, now)
+        if added and fragment not in self._records_from_peers:
+            self._records_from_peers.add(fragment)  # once: a pass every beat would flood the events
+            self.on_event({"event": "records_from_peer", "fragment": fragment, "peer": peer, "records": added})
         self._epochs_this_pass[fragment] = set()
         return {s: v for s, v in kept.items() if v[1] >= now}
 

@@ -21,6 +21,9 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from p2pdiloco.transport.records import RefusalLog
 
+MAX_DERIVED_KEYS = 4096
+"""Shard and epoch keys a validator remembers by DHT id (then it starts over)."""
+
 
 class RunRecordValidator(RecordValidatorBase):
     """hivemind's record-validator hook around a run's pure record rules.
@@ -33,15 +36,31 @@ class RunRecordValidator(RecordValidatorBase):
     def __init__(self, rules) -> None:
         self.rules = rules
         self._keys = {DHTID.generate(source=key).to_bytes(): key for key in rules.keys()}
+        self._derived: dict[bytes, str] = {}
+        """Shard and epoch keys found so far (`RunRecordRules.keys_of`), by their DHT id."""
         self._refused = RefusalLog()
+
+    def key_named(self, key_id: bytes, subkey: object) -> str | None:
+        """The run's key whose DHT id is `key_id`: a fixed one, or the shard or epoch key
+        its subkey implies (found once, then remembered)."""
+        key = self._keys.get(key_id) or self._derived.get(key_id)
+        if key is not None:
+            return key
+        for candidate in self.rules.keys_of(subkey):
+            if DHTID.generate(source=candidate).to_bytes() == key_id:
+                if len(self._derived) >= MAX_DERIVED_KEYS:
+                    self._derived.clear()
+                self._derived[key_id] = candidate
+                return candidate
+        return None
 
     def validate(self, record: DHTRecord) -> bool:
         try:
-            key = self._keys.get(record.key)
+            subkey = MSGPackSerializer.loads(record.subkey)
+            key = self.key_named(record.key, subkey)
             if key is None:
                 reason = "not a key of this run"
             else:
-                subkey = MSGPackSerializer.loads(record.subkey)
                 value = MSGPackSerializer.loads(record.value)
                 reason = self.rules.check(key, subkey, value, record.expiration_time, get_dht_time())
         except Exception as exc:  # noqa: BLE001 - any bytes from the network: a refusal

@@ -19,15 +19,24 @@ import math
 from dataclasses import dataclass
 
 from p2pdiloco.config import MAX_FRAGMENTS
+from p2pdiloco.identity import is_peer_id
 from p2pdiloco.protocol.membership import (
     CLOCK_SLACK_S,
+    MAX_MEMBER_SHARDS,
     heartbeat_expiry_refusal,
     member_shard,
+    member_shard_key,
     members_key,
     open_heartbeat,
     shard_of_key,
 )
-from p2pdiloco.protocol.rounds import epoch_of_key, open_record, record_subkey, rounds_key
+from p2pdiloco.protocol.rounds import (
+    MAX_EPOCH_ROUNDS,
+    epoch_of_key,
+    open_record,
+    record_subkey,
+    rounds_key,
+)
 from p2pdiloco.trust.admission import Admission
 from p2pdiloco.trust.audit import NOTICE_TTL_S, notices_key, open_notice
 
@@ -47,12 +56,39 @@ class RunRecordRules:
     run: str
     num_fragments: int
     admission: Admission = Admission()
+    member_shards: int | None = None
+    """The run's `network.member_shards`; None (a bootstrap node, which has no run
+    config): any a run may choose."""
+    epoch_rounds: int | None = None
+    """The run's `network.record_epoch_rounds`; None: any a run may choose."""
 
     def keys(self) -> list[str]:
-        """Every DHT key the run uses; records under any other key are refused."""
+        """The run's fixed DHT keys: its one members key, its notices, one records key per
+        fragment. Shard and epoch keys are many (`keys_of`)."""
         return [members_key(self.run), notices_key(self.run)] + [
             rounds_key(self.run, f) for f in range(self.num_fragments)
         ]
+
+    def keys_of(self, subkey: object) -> list[str]:
+        """The shard or epoch keys a record under `subkey` may be stored under: a heartbeat
+        lives in its peer's shard (`member_shard_key`), a round record in its round's epoch
+        (`rounds_key`), so the key follows from the subkey and the run's layout. A DHT
+        that shows keys only by their hash (hivemind) finds the key's name among these;
+        it knew only `keys()` before, and refused every sharded heartbeat and every epoch
+        record a real peer stored (a sharded run worked in the simulator alone)."""
+        if not isinstance(subkey, str):
+            return []
+        if is_peer_id(subkey):
+            counts = [self.member_shards] if self.member_shards is not None else _powers_of_two(2, MAX_MEMBER_SHARDS)
+            return [member_shard_key(self.run, member_shard(subkey, s), s) for s in counts if s > 1]
+        round_text = subkey.split("/", 1)[0]
+        if not round_text.isdigit() or len(round_text) > 12:
+            return []
+        sizes = [self.epoch_rounds] if self.epoch_rounds is not None else _powers_of_two(1, MAX_EPOCH_ROUNDS)
+        return [
+            rounds_key(self.run, f, int(round_text), size)
+            for size in sizes if size > 0 for f in range(self.num_fragments)
+        ]  # fmt: skip
 
     def check(self, key: str, subkey: object, value: object, expiration: float, now: float) -> str | None:
         """Why the record must not be stored or believed, or None when it is acceptable."""
@@ -131,6 +167,10 @@ def record_time_refusal(closed_at: float, now: float) -> str | None:
     if closed_at < now - RECORD_MAX_TTL_S:
         return "record closed longer ago than any record lives"
     return None
+
+
+def _powers_of_two(low: int, high: int) -> list[int]:
+    return [1 << b for b in range(high.bit_length()) if low <= 1 << b <= high]
 
 
 def bootstrap_rules(run: str, num_fragments: int | None, admission: Admission) -> RunRecordRules:

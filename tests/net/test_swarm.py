@@ -99,6 +99,30 @@ def test_frozen_peer_is_left_out_and_catches_up_after_sigcont() -> None:
     assert frozen.hashes()[key] == others[0].hashes()[key]
 
 
+def test_a_sharded_run_reads_records_from_its_peers_and_replicas_stay_identical() -> None:
+    """The layout of a large public run (docs/scale.md) on three real peers: membership in
+    2 shards (a newcomer sweeps both), records in epochs of 2 rounds, most sync passes
+    asking a peer for the records (`get_records`) instead of the DHT key, K = 2 of 3."""
+    boot = start_bootstrap()
+    peers = start_learners(
+        3,
+        boot.maddrs,
+        sets=["sync.min_quorum=2", "network.member_shards=2", "network.record_epoch_rounds=2"],
+        flags=["--max-rounds", "6", "--data-shards", "3"],
+        per_peer=lambda i: ["--data-rank", str(i)],
+    )
+    logs = [Events(p) for p in peers]
+    wait_all(logs, lambda e: e.get("event") == "stopped", ROUND_WAIT_S)
+    for log in logs:
+        assert max(r for (_, r) in log.hashes()) >= 4, "rounds go on past two epochs"
+    assert_replicas_identical(logs, min_common=3)
+    served = [e for log in logs for e in log.of("records_from_peer")]
+    ids = {p.peer_id for p in peers}
+    assert served and all(e["peer"] in ids and e["records"] >= 1 for e in served), served
+    for peer in peers:
+        assert peer.stop() == 0
+
+
 def test_straggler_inside_the_grace_window_is_merged_one_after_it_lands_next_round() -> None:
     boot = start_bootstrap()
     grace = [
