@@ -261,9 +261,11 @@ class ReplicaSync:
         kept, now = self._raw_records[fragment], self.transport.now()
         rounds = range(first, first + 2 * self.epoch_rounds)
         added = peer_records.admit(kept, sealed, self.run, fragment, rounds, ROUND_RECORD_TTL_S, now)
-        if added and fragment not in self._records_from_peers:
+        if fragment not in self._records_from_peers:
             self._records_from_peers.add(fragment)  # once: a pass every beat would flood the events
-            self.on_event({"event": "records_from_peer", "fragment": fragment, "peer": peer, "records": added})
+            self.on_event(
+                {"event": "records_from_peer", "fragment": fragment, "peer": peer, "records": len(sealed), "new": added}
+            )
         self._epochs_this_pass[fragment] = set()
         return {s: v for s, v in kept.items() if v[1] >= now}
 

@@ -329,7 +329,10 @@ class SwarmFigures:
     """Tokens merged / computed when the learners stop, before the drain (what a real
     peer's summary shows: `steps_contributed / steps` at exit)."""
     forks: int = 0
-    """(round, fragment) pairs two peers applied with different hashes (must stay 0)."""
+    """(round, fragment) pairs two peers applied with different hashes (must stay 0),
+    over the whole run: the joins and the warm-up included."""
+    forks_measured: int = 0
+    """Of `forks`, those of the windows opened in the measured span."""
     synchronizer_bytes_per_window: dict[str, float] = dataclasses.field(default_factory=dict)
     """Payload bytes a synchronizer moved (deltas received, updates sent: pushes and
     fetches it served) per window it closed in the span, at the simulated preset's size
@@ -670,6 +673,9 @@ class Swarm:
             round_latency_s=statistics.median(latencies) if latencies else math.nan,
             rounds=sum(heads), goodput=merged / computed if computed else math.nan, stalls=self.stalls,
             forks=sum(len(h) > 1 for h in seen.values()),
+            forks_measured=sum(
+                len(seen.get(key, ())) > 1 for key, opened in self.window_opened.items() if opened >= start
+            ),
             synchronizer_bytes_per_window=(
                 {"p50": statistics.median(per_window), "max": max(per_window)} if per_window else {}
             ),
