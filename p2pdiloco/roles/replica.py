@@ -38,12 +38,13 @@ import torch
 from p2pdiloco import wire
 from p2pdiloco.outer.fragment import FragmentState, outer_update
 from p2pdiloco.outer.step import tensor_norm
-from p2pdiloco.protocol.election import rendezvous_order
+from p2pdiloco.protocol.election import rendezvous_order, synchronizer_order
 from p2pdiloco.protocol.membership import Heartbeat, learners, synchronizer_candidates
 from p2pdiloco.protocol.rounds import (
     ROUND_RECORD_TTL_S,
     RoundRecord,
     canonical_chain,
+    record_subkey,
     records_of,
     rounds_key,
     superseded_digests,
@@ -135,11 +136,12 @@ class ReplicaSync:
         split-view fault injection, which makes this peer commit a round alone)."""
         self.entitlement = Entitlement(run, admission or Admission(), transport.now)
         self.server = UpdateServer(transport, run, state, limits, worker)
-        self.server.records = lambda fragment, from_round: peer_records.served(
-            self._raw_records[fragment], from_round, self.transport.now()
-        )
+        self.server.records = self._served_records
         self._record_passes = [0 for _ in state.fragments]
         """With epochs: sync passes per fragment (every `DHT_READ_EVERY`th reads the DHT)."""
+        self._dht_read_s = [0.0 for _ in state.fragments]
+        """With epochs: per fragment, how long the DHT read of the records took (a moving
+        mean): past `peer_records.SLOW_DHT_READ_S`, the key is hot and peers are asked."""
         self._records_from_peers: set[int] = set()
         """Fragments whose records a peer has served us (told once, as an event)."""
         self.server.synchronizers = lambda: synchronizer_candidates(
@@ -220,7 +222,8 @@ class ReplicaSync:
         if self.epoch_rounds <= 0:
             return await self.transport.get(rounds_key(self.run, fragment))
         self._record_passes[fragment] += 1
-        if self._record_passes[fragment] % peer_records.DHT_READ_EVERY:
+        hot = self._dht_read_s[fragment] > peer_records.SLOW_DHT_READ_S
+        if hot and self._record_passes[fragment] % peer_records.DHT_READ_EVERY:
             from_peer = await self._records_from_peer(fragment)
             if from_peer is not None:
                 return from_peer
@@ -236,13 +239,31 @@ class ReplicaSync:
             epochs |= {head - 1, head}
         self._epochs_read[fragment] = ours
         self._epochs_this_pass[fragment] = epochs
-        return await self._read_epochs(fragment, epochs)
+        started = time.monotonic()
+        try:
+            return await self._read_epochs(fragment, epochs)
+        finally:
+            took = time.monotonic() - started
+            self._dht_read_s[fragment] = 0.5 * self._dht_read_s[fragment] + 0.5 * took
+
+    def _served_records(self, fragment: int, from_round: int) -> list[bytes]:
+        """What `get_records` answers: the records this replica read (the DHT's, rivals
+        included) and those of its chain it learned first hand (its own commits, and the
+        records its synchronizers answered it with), which it read nowhere: served only
+        after its next DHT read, they reached the asking replicas a read cycle late."""
+        held = dict(self._raw_records[fragment])
+        for round_id, record in self.chains[fragment].items():
+            if round_id >= from_round and record.sealed:
+                subkey = record_subkey(round_id, record.synchronizer)
+                held.setdefault(subkey, (record.sealed, record.closed_at + ROUND_RECORD_TTL_S))
+        return peer_records.served(held, from_round, self.transport.now())
 
     async def _records_from_peer(self, fragment: int) -> dict[str, tuple[bytes, float]] | None:
         """The records read so far plus those one reachable peer holds of this replica's
         epoch and the next (`peer_records`); None when no peer answered (read the DHT)."""
-        me, round_id = self.transport.peer_id, self.state.round_of(fragment)
-        peer = peer_records.records_source(me, self.members(), fragment, round_id, self._record_passes[fragment])
+        me, round_id, members = self.transport.peer_id, self.state.round_of(fragment), self.members()
+        electable = synchronizer_order(self.run, round_id, fragment, self.entitlement.candidates(members, fragment, round_id))
+        peer = peer_records.records_source(me, members, fragment, round_id, self._record_passes[fragment], electable)
         if peer is None:
             return None
         try:
