@@ -5,11 +5,10 @@ each sync pass: at N = 1,000 that is 500 reads a second on the five peers that s
 key, queued on their home uplinks, so a replica learned of a round 11 s after its commit
 at p90 (23 s at p99) and the rounds took 30-60 s to reach 90 % of the swarm.
 
-Now, while the DHT read is slow (the key is hot, `SLOW_DHT_READ_S`), three passes in four
-ask one reachable peer for the records it holds from this replica's round on
-(`get_records`), and every fourth reads the DHT as before: the reads spread over the
-reachable peers, and the DHT stays the place where rival records meet (a peer serves what
-it read there, and what its chain learned first hand). A quick key is read every pass. A record from a peer is checked like one from the DHT
+Now three passes in four ask one reachable peer for the records it holds from this
+replica's round on (`get_records`), and every fourth reads the DHT as before: the reads
+spread over the reachable peers, and the DHT stays the place where rival records meet (a
+peer serves what it read there, and what its chain learned first hand). A record from a peer is checked like one from the DHT
 (its synchronizer's signature, the run's entitlement, the chain rules), so a peer can
 withhold records (then the next DHT read brings them) but forge none. What a reply may add
 is bounded: records of the rounds asked for, at most `MAX_SERVED_RECORDS`, at most
@@ -18,7 +17,6 @@ is bounded: records of the rounds asked for, at most `MAX_SERVED_RECORDS`, at mo
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Mapping
 
@@ -34,13 +32,11 @@ RECORDS_REQUEST = "records_request"
 RECORDS_REPLY = "records_reply"
 """peer -> peer: sealed round records (each signed by its synchronizer)."""
 DHT_READ_EVERY = 4
-"""While the records key is hot: sync passes per DHT read; the others ask a peer."""
-SLOW_DHT_READ_S = float(os.environ.get("P2PDILOCO_SLOW_DHT_READ_S", "1.0"))
-"""A DHT read of the records slower than this (a moving mean) means the key is hot (its
-replicas queue the swarm's reads): then peers are asked. A quick key is read every pass:
-at N = 100 that finds a round's record sooner than any one peer does (7.7 s against
-10.8 s from a window's open to 90 % of the swarm). `P2PDILOCO_SLOW_DHT_READ_S=0` asks
-peers whatever the key (the real-process test of `get_records` does)."""
+"""Sync passes per DHT read of the records epochs; the others ask a peer. (Asking peers
+only while the key's reads were slow made the swarm oscillate at N = 1,000: everyone read
+the key, it went slow, everyone asked peers, it went quick, everyone read it again; the
+rounds stalled. At N = 100 reading every pass is faster, 7.7 s against 10.8 s: a run of a
+hundred peers keeps `network.record_epoch_rounds` 0, one key read every pass.)"""
 MAX_SERVED_RECORDS = 32
 """Records one reply carries (and one reply may add)."""
 MAX_RECORDS_PER_ROUND = 8

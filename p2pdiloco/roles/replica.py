@@ -139,9 +139,6 @@ class ReplicaSync:
         self.server.records = self._served_records
         self._record_passes = [0 for _ in state.fragments]
         """With epochs: sync passes per fragment (every `DHT_READ_EVERY`th reads the DHT)."""
-        self._dht_read_s = [0.0 for _ in state.fragments]
-        """With epochs: per fragment, how long the DHT read of the records took (a moving
-        mean): past `peer_records.SLOW_DHT_READ_S`, the key is hot and peers are asked."""
         self._records_from_peers: set[int] = set()
         """Fragments whose records a peer has served us (told once, as an event)."""
         self.server.synchronizers = lambda: synchronizer_candidates(
@@ -222,8 +219,7 @@ class ReplicaSync:
         if self.epoch_rounds <= 0:
             return await self.transport.get(rounds_key(self.run, fragment))
         self._record_passes[fragment] += 1
-        hot = self._dht_read_s[fragment] > peer_records.SLOW_DHT_READ_S
-        if hot and self._record_passes[fragment] % peer_records.DHT_READ_EVERY:
+        if self._record_passes[fragment] % peer_records.DHT_READ_EVERY:
             from_peer = await self._records_from_peer(fragment)
             if from_peer is not None:
                 return from_peer
@@ -239,12 +235,7 @@ class ReplicaSync:
             epochs |= {head - 1, head}
         self._epochs_read[fragment] = ours
         self._epochs_this_pass[fragment] = epochs
-        started = time.monotonic()
-        try:
-            return await self._read_epochs(fragment, epochs)
-        finally:
-            took = time.monotonic() - started
-            self._dht_read_s[fragment] = 0.5 * self._dht_read_s[fragment] + 0.5 * took
+        return await self._read_epochs(fragment, epochs)
 
     def _served_records(self, fragment: int, from_round: int) -> list[bytes]:
         """What `get_records` answers: the records this replica read (the DHT's, rivals

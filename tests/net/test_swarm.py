@@ -111,8 +111,6 @@ def test_a_sharded_run_reads_records_from_its_peers_and_replicas_stay_identical(
         sets=["sync.min_quorum=2", "network.member_shards=2", "network.record_epoch_rounds=2"],
         flags=["--max-rounds", "6", "--data-shards", "3"],
         per_peer=lambda i: ["--data-rank", str(i)],
-        # a loopback DHT is never hot: ask peers anyway, so the RPC runs over hivemind
-        env_of=lambda i: {"P2PDILOCO_SLOW_DHT_READ_S": "0"},
     )
     logs = [Events(p) for p in peers]
     wait_all(logs, lambda e: e.get("event") == "stopped", ROUND_WAIT_S)
