@@ -133,16 +133,3 @@ def test_a_replica_learns_a_record_from_a_peer_and_reads_the_dht_one_pass_in_fou
         assert c.rounds_keys_read() > 0
 
     asyncio.run(main())
-
-
-def test_a_peer_serves_the_records_its_chain_learned_first_hand_not_only_those_it_read() -> None:
-    """A synchronizer's own commit, and a record a learner was answered with, are in its
-    chain but were read from no DHT: served only after its next read, they reached the
-    askers a read cycle late."""
-    from p2pdiloco.protocol.rounds import open_record
-
-    replica = Replica(MemoryNetwork(clock=lambda: NOW))
-    own = open_record(RUN, sealed_record(Identity.generate(), 0, parent=replica.replicas.genesis[0]))
-    replica.replicas.chains[0][0] = own
-    assert replica.replicas._served_records(0, 0) == [own.sealed]
-    assert replica.replicas._served_records(0, 1) == []

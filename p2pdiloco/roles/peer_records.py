@@ -7,8 +7,8 @@ at p90 (23 s at p99) and the rounds took 30-60 s to reach 90 % of the swarm.
 
 Now three passes in four ask one reachable peer for the records it holds from this
 replica's round on (`get_records`), and every fourth reads the DHT as before: the reads
-spread over the reachable peers, and the DHT stays the place where rival records meet (a
-peer serves what it read there, and what its chain learned first hand). A record from a peer is checked like one from the DHT
+spread over every reachable peer, and the DHT stays the place where rival records meet
+(a peer serves what it read there). A record from a peer is checked like one from the DHT
 (its synchronizer's signature, the run's entitlement, the chain rules), so a peer can
 withhold records (then the next DHT read brings them) but forge none. What a reply may add
 is bounded: records of the rounds asked for, at most `MAX_SERVED_RECORDS`, at most
@@ -32,11 +32,7 @@ RECORDS_REQUEST = "records_request"
 RECORDS_REPLY = "records_reply"
 """peer -> peer: sealed round records (each signed by its synchronizer)."""
 DHT_READ_EVERY = 4
-"""Sync passes per DHT read of the records epochs; the others ask a peer. (Asking peers
-only while the key's reads were slow made the swarm oscillate at N = 1,000: everyone read
-the key, it went slow, everyone asked peers, it went quick, everyone read it again; the
-rounds stalled. At N = 100 reading every pass is faster, 7.7 s against 10.8 s: a run of a
-hundred peers keeps `network.record_epoch_rounds` 0, one key read every pass.)"""
+"""Sync passes per DHT read of the records epochs; the others ask a peer."""
 MAX_SERVED_RECORDS = 32
 """Records one reply carries (and one reply may add)."""
 MAX_RECORDS_PER_ROUND = 8
@@ -45,9 +41,6 @@ MAX_REPLY_BYTES = 1 << 20
 RECORDS_TIMEOUT_S = 10.0
 """Deadline of one `get_records` call: a slow peer costs one pass, the next asks another."""
 RECORDS_SALT = "records"
-LIKELY_HOLDERS = 8
-"""Of a round's synchronizer order, the first this many are asked for its record (each by
-about 1/8 of the swarm per pass)."""
 
 register_kind(
     MessageKind(
@@ -135,29 +128,18 @@ def admit(
 
 
 def records_source(
-    me: str,
-    members: Mapping[str, Heartbeat],
-    fragment: int,
-    round_id: int,
-    pass_no: int,
-    electable: list[str] = (),
+    me: str, members: Mapping[str, Heartbeat], fragment: int, round_id: int, pass_no: int
 ) -> str | None:
-    """The reachable peer this pass asks, one per pass in an order of this peer's own (a
-    rendezvous hash over its id and the pass), so the reads of a thousand replicas spread.
-
-    Among the peers likeliest to hold the round's record first: those whose beat claims a
-    later round, and the first `LIKELY_HOLDERS` of the round's synchronizer order in our
-    view (`electable`: the elected one commits it, the next ones are proven contributors,
-    answered with it at the commit); else any live peer that accepts connections. Asking
-    any peer at random, a replica at N = 100 waited for a peer that had the round itself,
-    and rounds reached 90 % of the swarm 11 s after they opened instead of 7.5."""
+    """The reachable peer this pass asks: among the live peers that accept connections,
+    those whose beat claims a later round of `fragment` first, one per pass in an order
+    of this peer's own (a rendezvous hash over its id and the pass), so the reads of a
+    thousand replicas spread over every reachable peer."""
     live = [p for p in synchronizer_candidates(members) if p != me]
     ahead = [
         p for p in live
         if len(members[p].rounds) > fragment and members[p].rounds[fragment] > round_id
     ]  # fmt: skip
-    likely = [p for p in electable[:LIKELY_HOLDERS] if p != me and p in members]
-    pool = list(dict.fromkeys([*ahead, *likely])) or live
+    pool = ahead or live
     if not pool:
         return None
     return rendezvous_order(f"{RECORDS_SALT}/{me}", pass_no, fragment, pool)[0]

@@ -38,13 +38,12 @@ import torch
 from p2pdiloco import wire
 from p2pdiloco.outer.fragment import FragmentState, outer_update
 from p2pdiloco.outer.step import tensor_norm
-from p2pdiloco.protocol.election import rendezvous_order, synchronizer_order
+from p2pdiloco.protocol.election import rendezvous_order
 from p2pdiloco.protocol.membership import Heartbeat, learners, synchronizer_candidates
 from p2pdiloco.protocol.rounds import (
     ROUND_RECORD_TTL_S,
     RoundRecord,
     canonical_chain,
-    record_subkey,
     records_of,
     rounds_key,
     superseded_digests,
@@ -136,7 +135,9 @@ class ReplicaSync:
         split-view fault injection, which makes this peer commit a round alone)."""
         self.entitlement = Entitlement(run, admission or Admission(), transport.now)
         self.server = UpdateServer(transport, run, state, limits, worker)
-        self.server.records = self._served_records
+        self.server.records = lambda fragment, from_round: peer_records.served(
+            self._raw_records[fragment], from_round, self.transport.now()
+        )
         self._record_passes = [0 for _ in state.fragments]
         """With epochs: sync passes per fragment (every `DHT_READ_EVERY`th reads the DHT)."""
         self._records_from_peers: set[int] = set()
@@ -237,24 +238,11 @@ class ReplicaSync:
         self._epochs_this_pass[fragment] = epochs
         return await self._read_epochs(fragment, epochs)
 
-    def _served_records(self, fragment: int, from_round: int) -> list[bytes]:
-        """What `get_records` answers: the records this replica read (the DHT's, rivals
-        included) and those of its chain it learned first hand (its own commits, and the
-        records its synchronizers answered it with), which it read nowhere: served only
-        after its next DHT read, they reached the asking replicas a read cycle late."""
-        held = dict(self._raw_records[fragment])
-        for round_id, record in self.chains[fragment].items():
-            if round_id >= from_round and record.sealed:
-                subkey = record_subkey(round_id, record.synchronizer)
-                held.setdefault(subkey, (record.sealed, record.closed_at + ROUND_RECORD_TTL_S))
-        return peer_records.served(held, from_round, self.transport.now())
-
     async def _records_from_peer(self, fragment: int) -> dict[str, tuple[bytes, float]] | None:
         """The records read so far plus those one reachable peer holds of this replica's
         epoch and the next (`peer_records`); None when no peer answered (read the DHT)."""
-        me, round_id, members = self.transport.peer_id, self.state.round_of(fragment), self.members()
-        electable = synchronizer_order(self.run, round_id, fragment, self.entitlement.candidates(members, fragment, round_id))
-        peer = peer_records.records_source(me, members, fragment, round_id, self._record_passes[fragment], electable)
+        me, round_id = self.transport.peer_id, self.state.round_of(fragment)
+        peer = peer_records.records_source(me, self.members(), fragment, round_id, self._record_passes[fragment])
         if peer is None:
             return None
         try:
