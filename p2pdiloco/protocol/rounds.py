@@ -87,6 +87,12 @@ def record_subkey(round_id: int, synchronizer: str) -> str:
     return f"{round_id}/{synchronizer}"
 
 
+def subkey_round(subkey: str) -> int | None:
+    """The round a record subkey (`record_subkey`) names, or None if it names none."""
+    text = subkey.split("/", 1)[0]
+    return int(text) if text.isdigit() and len(text) <= 12 else None
+
+
 @dataclass(frozen=True)
 class RoundRecord:
     """What a synchronizer publishes when it commits (round, fragment)."""

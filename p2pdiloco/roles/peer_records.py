@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from p2pdiloco import wire
 from p2pdiloco.protocol.election import rendezvous_order
 from p2pdiloco.protocol.membership import Heartbeat, synchronizer_candidates
-from p2pdiloco.protocol.rounds import open_record, record_subkey
+from p2pdiloco.protocol.rounds import open_record, record_subkey, subkey_round
 from p2pdiloco.wire import MessageKind, register_kind
 
 RPC_GET_RECORDS = "get_records"
@@ -79,9 +79,9 @@ def served(raw: Mapping[str, tuple[bytes, float]], from_round: int, now: float) 
     lowest rounds first, at most `MAX_SERVED_RECORDS`."""
     found = []
     for subkey, (sealed, expiration) in raw.items():
-        round_text = subkey.split("/", 1)[0]
-        if expiration >= now and round_text.isdigit() and int(round_text) >= from_round:
-            found.append((int(round_text), subkey, sealed))
+        round_id = subkey_round(subkey)
+        if expiration >= now and round_id is not None and round_id >= from_round:
+            found.append((round_id, subkey, sealed))
     return [sealed for _, _, sealed in sorted(found)[:MAX_SERVED_RECORDS]]
 
 
@@ -112,7 +112,7 @@ def admit(
     close plus `ttl_s` (never past now + `ttl_s`). At most `MAX_RECORDS_PER_ROUND` per
     round in all. Signatures are checked here, entitlement and chain rules where `kept`
     is read (`records_of`, `canonical_chain`). Returns how many were new."""
-    per_round = Counter(int(s.split("/", 1)[0]) for s in kept if s.split("/", 1)[0].isdigit())
+    per_round = Counter(r for r in map(subkey_round, kept) if r is not None)
     added = 0
     for sealed in sealed_records:
         record = open_record(run, sealed)

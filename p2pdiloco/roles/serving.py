@@ -140,12 +140,12 @@ class UpdateServer:
         self.worker = worker
         self.store = ServedFrames()
         self.synchronizers: Callable[[], list[str]] = lambda: []
+        """The peers this replica sees as synchronizer candidates (`hold_refusal`)."""
         self.records: Callable[[int, int], list[bytes]] = lambda fragment, from_round: []
         """The sealed records this peer holds of (fragment) from a round on (set by the
         replica: `peer_records.served` over what it read)."""
         self.records_limiter = RateLimiter(rate_per_s=RECORD_READS_PER_S * state.num_fragments, burst=8 * state.num_fragments)
         """`get_records` answered per caller."""
-        """The peers this replica sees as synchronizer candidates (`hold_refusal`)."""
         self._serving: dict[int, FragmentState] = {}
         """Per fragment, the snapshot whose parts are being served (replaced once stale)."""
         self.state_limiter = RateLimiter(rate_per_s=1 / STATE_REFILL_S, burst=2 * state.num_fragments + 2)

@@ -20,7 +20,7 @@ from p2pdiloco import wire
 from p2pdiloco.config import RunConfig
 from p2pdiloco.outer.screening import Candidate, ScreeningRules
 from p2pdiloco.protocol.election import synchronizer_order
-from p2pdiloco.protocol.intake import Refused, check_contribution
+from p2pdiloco.protocol.intake import Accepted, Refused, check_contribution
 from p2pdiloco.protocol.membership import Heartbeat, learners
 from p2pdiloco.protocol.windows import (
     Close,
@@ -157,13 +157,13 @@ class Synchronizer:
         if refusal:
             return self._reject(-1, -1, refusal, caller)
         msg = wire.decode_message(frame, self.limits)
-        checked = check_contribution(
-            msg, caller, self.run, self.state.rounds, self.state.layouts, self.config.sync.max_staleness_rounds
-        )
+        def check() -> Accepted | Refused:
+            sync = self.config.sync
+            return check_contribution(msg, caller, self.run, self.state.rounds, self.state.layouts, sync.max_staleness_rounds)
+
+        checked = check()
         if isinstance(checked, Refused) and checked.status == messages.BEHIND and await self._caught_up(checked.fragment):
-            checked = check_contribution(
-                msg, caller, self.run, self.state.rounds, self.state.layouts, self.config.sync.max_staleness_rounds
-            )
+            checked = check()  # against the rounds the pass reached
         if isinstance(checked, Refused):
             return self._refused(checked, caller)
         assert not isinstance(msg, wire.Rejected)

@@ -36,6 +36,7 @@ from p2pdiloco.protocol.rounds import (
     open_record,
     record_subkey,
     rounds_key,
+    subkey_round,
 )
 from p2pdiloco.trust.admission import Admission
 from p2pdiloco.trust.audit import NOTICE_TTL_S, notices_key, open_notice
@@ -81,12 +82,12 @@ class RunRecordRules:
         if is_peer_id(subkey):
             counts = [self.member_shards] if self.member_shards is not None else _powers_of_two(2, MAX_MEMBER_SHARDS)
             return [member_shard_key(self.run, member_shard(subkey, s), s) for s in counts if s > 1]
-        round_text = subkey.split("/", 1)[0]
-        if not round_text.isdigit() or len(round_text) > 12:
+        round_id = subkey_round(subkey)
+        if round_id is None:
             return []
         sizes = [self.epoch_rounds] if self.epoch_rounds is not None else _powers_of_two(1, MAX_EPOCH_ROUNDS)
         return [
-            rounds_key(self.run, f, int(round_text), size)
+            rounds_key(self.run, f, round_id, size)
             for size in sizes if size > 0 for f in range(self.num_fragments)
         ]  # fmt: skip
 
