@@ -128,7 +128,8 @@ def test_a_newcomer_sees_every_shard_at_once_and_is_elected_only_once_everyone_h
     """8 shards: a newcomer's first beat reads all of them (its view is whole at once,
     not after 8 beats). The others see it only when their rotation reaches its shard, so
     it is no candidate in any view (its own included) until a rotation has passed; then
-    it is one in every view. A swarm where nobody has settled yet elects among everyone."""
+    it is one in every view. A swarm where nobody has settled yet elects its oldest peer,
+    the one every view holds, so its first rotation makes no rival records either."""
     now = [NOW]
 
     async def main() -> None:
@@ -149,9 +150,16 @@ def test_a_newcomer_sees_every_shard_at_once_and_is_elected_only_once_everyone_h
                 for m in members:
                     await m.beat()
 
-        members = [await join() for _ in range(11)]
-        first = members[0]
-        assert set(synchronizer_candidates(first.view(), settled=first.settled)) == set(first.view())
+        members = []
+        for _ in range(11):  # joins a tenth of a second apart: each sweeps the ones before
+            members.append(await join())
+            now[0] += 0.1
+        first = members[0].transport.peer_id
+        views = [set(m.view()) for m in members]
+        assert len(views[0]) == 1 and len(views[-1]) == 11  # the views disagree ...
+        for m in members:  # ... but every one elects the oldest
+            assert synchronizer_candidates(m.view(), settled=m.settled) == [first]
+        assert len(synchronizer_candidates(members[-1].view())) == 11  # unsharded rule: all
         await beat_for(10)  # (8 shards + 2) periods: all 11 settled
         newcomer = await join()
         members.append(newcomer)

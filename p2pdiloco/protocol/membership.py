@@ -429,9 +429,12 @@ def synchronizer_candidates(
     over through an address nobody can reach.
 
     With `settled` (a sharded membership, `Membership.settled`): only those whose beat
-    every peer has read by now, unless none is, then all of them. A peer that joined
-    within the last rotation is in some views and not in others: elected by some, it
-    made rival records for its round (issue 29, N = 1,000)."""
+    every peer has read by now. A peer that joined within the last rotation is in some
+    views and not in others: elected by some, it made rival records for its round
+    (issue 29, N = 1,000). While none is settled (a swarm's first rotation, or one whose
+    settled peers all left), only the oldest: the one peer every view holds, since each
+    later joiner's first beat read every shard after it joined. It is also the first to
+    settle, so the views that cross the settle line first still agree with the others."""
     eligible = sorted(
         p
         for p, b in members.items()
@@ -442,8 +445,10 @@ def synchronizer_candidates(
     )
     if proven:
         eligible = [p for p in eligible if p in proven] or eligible
-    if settled is not None:
-        eligible = [p for p in eligible if settled(members[p])] or eligible
+    if settled is not None and eligible:
+        eligible = [p for p in eligible if settled(members[p])] or [
+            min(eligible, key=lambda p: (members[p].joined_at, p))
+        ]
     return eligible
 
 
