@@ -70,6 +70,21 @@ def remove_stale_temp_files(path: str | Path) -> int:
     return removed
 
 
+class Unreadable(str):
+    """Why a saved file could not be read at all (`read_saved`): the exception's type."""
+
+
+def read_saved(path: Path, mmap: bool = False) -> Any:
+    """What `path` holds, read with tensors only (`weights_only`: a file from the network
+    or a stranger runs no code), or `Unreadable` naming the error: truncated, corrupt or
+    not a torch file is the caller's one-line refusal, never an exception. `mmap`: the
+    tensors stay on disk until touched."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as exc:  # noqa: BLE001 - every unreadable file is reported the same way
+        return Unreadable(type(exc).__name__)
+
+
 def _fsync_directory(directory: Path) -> None:
     """Make a rename in `directory` durable (POSIX: fsync the directory itself)."""
     if os.name == "nt":  # no directory handles to fsync; NTFS journals the rename
@@ -201,10 +216,9 @@ def load_learner(directory: str | Path, learner: Any, config_hash: str) -> bool:
     remove_stale_temp_files(path)
     if not path.exists():
         return False
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - a corrupt file is reported, never fatal
-        log.warning("checkpoint unreadable path=%s error=%r: starting fresh", path, exc)
+    payload = read_saved(path)
+    if isinstance(payload, Unreadable):
+        log.warning("checkpoint unreadable path=%s error=%s: starting fresh", path, payload)
         return False
     if isinstance(payload, dict) and payload.get("config_hash") != config_hash:
         log.warning("checkpoint of another run config path=%s: starting fresh", path)
@@ -245,10 +259,9 @@ def read_model_state(directory: str | Path) -> tuple[dict[str, torch.Tensor], st
     path = Path(directory) / FILE_NAME
     if not path.is_file():
         raise ConfigError(f"--checkpoint {directory}: no {FILE_NAME} in it (a `join --checkpoint-dir` folder)")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
-        raise ConfigError(f"checkpoint {path} is unreadable ({type(exc).__name__}): not a p2pdiloco checkpoint") from None
+    payload = read_saved(path, mmap=True)
+    if isinstance(payload, Unreadable):
+        raise ConfigError(f"checkpoint {path} is unreadable ({payload}): not a p2pdiloco checkpoint")
     model = payload.get("model") if isinstance(payload, dict) else None
     if not isinstance(model, dict) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items()

@@ -21,7 +21,7 @@ import torch
 
 from p2pdiloco import wire
 from p2pdiloco.outer.fragment import FragmentState
-from p2pdiloco.peer.checkpoint import atomic_save, remove_stale_temp_files
+from p2pdiloco.peer.checkpoint import Unreadable, atomic_save, read_saved, remove_stale_temp_files
 from p2pdiloco.protocol.rounds import RoundRecord, open_record
 from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.wire.updates import Update, parse_update
@@ -160,10 +160,9 @@ def read_fragment(
     remove_stale_temp_files(path)
     if not path.exists():
         return None
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - a damaged file is refused, never fatal
-        return f"unreadable ({type(exc).__name__})"
+    payload = read_saved(path)
+    if isinstance(payload, Unreadable):
+        return f"unreadable ({payload})"
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         return "not a global-state checkpoint of this version"
     if payload.get("run") != run or payload.get("config_hash") != config_hash:
