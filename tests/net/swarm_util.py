@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from p2pdiloco.cli import argv
 
-from .harness import PeerProcess, start_peer_process, start_peer_processes
+from .harness import PeerProcess, launch_peer_process, start_peer_process, start_peer_processes
 
 TINY_RUN = [  # the package's tiny run with the tests' H and round deadline
     *argv.TINY_RUN,
@@ -19,6 +20,9 @@ TINY_RUN = [  # the package's tiny run with the tests' H and round deadline
     "train.compute_share=0.2",
 ]
 
+
+ADVERSARY = Path(__file__).resolve().parent / "adversary.py"
+"""A stranger's program (valid free keys, a stock DHT client): tests/net/adversary.py."""
 
 TRANSPORTS = ["hivemind", "libp2p"]
 """The swarm tests that matter most run on both transports (issue: a second transport)."""
@@ -57,6 +61,34 @@ def start_learners(
     ]
     envs = [env_of(i) if env_of else None for i in range(num)]
     return start_peer_processes(many, ready_timeout_s=240, envs=envs)
+
+
+def launch_adversary(
+    boot: PeerProcess, victims: list[str], attacks: str, env: dict[str, str] | None = None
+) -> PeerProcess:
+    """Launch the adversary against `victims` through the bootstrap's first address,
+    running `attacks` (comma-separated names of adversary.py); the caller waits for its
+    readiness line (`wait_ready`), which comes once its DHT node has joined."""
+    args = [
+        str(ADVERSARY), "--run", "local", "--initial-peer", *boot.maddrs[:1],
+        "--victims", ",".join(victims), "--attacks", attacks,
+    ]  # fmt: skip
+    return launch_peer_process(args, env=env)
+
+
+def adversary_results(
+    attacker: PeerProcess, timeout_s: float, on_result: Callable[[dict], None] | None = None
+) -> dict[str, dict]:
+    """Attack name -> the result line the adversary printed for it, until its `done` line;
+    `on_result` sees each result as it arrives (to act between two attacks)."""
+    results: dict[str, dict] = {}
+    while True:
+        event = attacker.next_event(timeout_s)
+        if event.get("done"):
+            return results
+        results[event["attack"]] = event
+        if on_result is not None:
+            on_result(event)
 
 
 def applied_hashes_by_round(log: Events) -> dict[tuple[int, int], set[str]]:
@@ -118,6 +150,10 @@ class Events:
     def hashes(self) -> dict[tuple[int, int], str]:
         """(fragment, round) -> hash after this peer applied that round's update."""
         return {(e["fragment"], e["round"]): e["hash"] for e in self.of("applied")}
+
+    def latest_round(self) -> int:
+        """The highest round this peer applied, of any fragment (-1 before the first)."""
+        return max((r for (_, r) in self.hashes()), default=-1)
 
 
 def wait_all(logs: list[Events], match: Callable[[dict[str, Any]], bool], timeout_s: float) -> None:

@@ -22,19 +22,23 @@ from pathlib import Path
 
 import pytest
 
-from .harness import start_peer_process, start_peer_processes
-from .swarm_util import Events, applied, join_args, start_bootstrap, start_learners, wait_all
+from .harness import start_peer_processes
+from .swarm_util import (
+    Events,
+    adversary_results,
+    applied,
+    join_args,
+    launch_adversary,
+    start_bootstrap,
+    start_learners,
+    wait_all,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
 ROUND_WAIT_S = 300
-ADVERSARY = Path(__file__).resolve().parent / "adversary.py"
 BYZANTINE = Path(__file__).resolve().parent / "byzantine.py"
 ATTACKS = "forged_heartbeats,plain_values,fake_members,forged_records,bad_contributions,state_flood"
-
-
-def latest_round(log: Events) -> int:
-    return max((r for (_, r) in log.hashes()), default=-1)
 
 
 def test_a_strangers_attacks_are_refused_and_the_run_keeps_closing_rounds() -> None:
@@ -46,26 +50,9 @@ def test_a_strangers_attacks_are_refused_and_the_run_keeps_closing_rounds() -> N
     honest = sorted(p.peer_id for p in peers)
     wait_all(logs, applied(1), ROUND_WAIT_S)
 
-    attacker = start_peer_process(
-        [
-            str(ADVERSARY),
-            "--run",
-            "local",
-            "--initial-peer",
-            *boot.maddrs[:1],
-            "--victims",
-            ",".join(honest),
-            "--attacks",
-            ATTACKS,
-        ],
-        ready_timeout_s=180,
-    )
-    results = {}
-    while True:
-        event = attacker.next_event(600)
-        if event.get("done"):
-            break
-        results[event["attack"]] = event
+    attacker = launch_adversary(boot, honest, ATTACKS)
+    attacker.wait_ready(180)
+    results = adversary_results(attacker, 600)
     for name, result in results.items():
         assert "error" not in result, (name, result)
     # no malicious contribution was ever merged or held by an honest synchronizer
@@ -76,7 +63,7 @@ def test_a_strangers_attacks_are_refused_and_the_run_keeps_closing_rounds() -> N
     assert results["state_flood"]["refused"] >= 1
 
     # the run goes on: two more rounds after the attacks, on every peer
-    after = max(latest_round(log) for log in logs)
+    after = max(log.latest_round() for log in logs)
     wait_all(logs, applied(after + 2), ROUND_WAIT_S)
     for log in logs:
         log.drain(quiet_s=1.0, max_s=5.0)
@@ -85,7 +72,7 @@ def test_a_strangers_attacks_are_refused_and_the_run_keeps_closing_rounds() -> N
     tables = [log.hashes() for log in logs]
     for key in set.intersection(*(set(t) for t in tables)):
         assert len({t[key] for t in tables}) == 1, key
-    assert max(latest_round(log) for log in logs) < 100
+    assert max(log.latest_round() for log in logs) < 100
     # the forged "leaving" heartbeats evicted nobody: every honest learner kept contributing
     closed = [e for log in logs for e in log.of("round_closed") if e["round"] > after]
     assert closed and set().union(*(e["contributors"] for e in closed)) == set(honest)

@@ -32,21 +32,25 @@ from p2pdiloco.roles.audits import (
     NOTICE_READ_INTERVAL_S,
 )
 
-from .harness import start_peer_process, start_peer_processes
-from .swarm_util import Events, applied, join_args, start_bootstrap, start_learners, wait_all
+from .harness import start_peer_processes
+from .swarm_util import (
+    Events,
+    adversary_results,
+    applied,
+    join_args,
+    launch_adversary,
+    start_bootstrap,
+    start_learners,
+    wait_all,
+)
 
 pytestmark = pytest.mark.timeout(1200)
 
 ROUND_WAIT_S = 300
 FLOOD_S = 45
-ADVERSARY = Path(__file__).resolve().parent / "adversary.py"
 REFUSING = Path(__file__).resolve().parent / "refusing_sync.py"
 NOTICE_VERIFIED = re.compile(r"fraud notice round=\d+|verified notice of")
 """What audits.py logs for each notice it verifies (parent unavailable, false, or proven)."""
-
-
-def latest_round(log: Events) -> int:
-    return max((r for (_, r) in log.hashes()), default=-1)
 
 
 def notice_verifications(peer) -> int:
@@ -68,20 +72,10 @@ def test_notice_and_hold_floods_do_not_stop_an_open_run(monkeypatch: pytest.Monk
     honest = sorted(p.peer_id for p in peers)
     wait_all(logs, applied(2), ROUND_WAIT_S)
 
-    attacker = start_peer_process(
-        [
-            str(ADVERSARY), "--run", "local", "--initial-peer", *boot.maddrs[:1],
-            "--victims", ",".join(honest), "--attacks", "notice_flood,hold_flood",
-        ],
-        ready_timeout_s=180,
-    )  # fmt: skip
+    attacker = launch_adversary(boot, honest, "notice_flood,hold_flood")
+    attacker.wait_ready(180)
     attack_started = time.monotonic()
-    results = {}
-    while True:
-        event = attacker.next_event(900)
-        if event.get("done"):
-            break
-        results[event["attack"]] = event
+    results = adversary_results(attacker, 900)
     print({name: {k: v for k, v in r.items() if k != "t"} for name, r in results.items()})
     for name, result in results.items():
         assert "error" not in result, (name, result)
@@ -104,7 +98,7 @@ def test_notice_and_hold_floods_do_not_stop_an_open_run(monkeypatch: pytest.Monk
     }
     print("rounds applied during each flood, per learner:", during)
     assert all(min(counts) >= 1 for counts in during.values()), during
-    after = max(latest_round(log) for log in logs)
+    after = max(log.latest_round() for log in logs)
     wait_all(logs, applied(after + 3), ROUND_WAIT_S)
     for log in logs:
         log.drain(quiet_s=1.0, max_s=5.0)

@@ -15,17 +15,21 @@ from pathlib import Path
 
 import pytest
 
-from .harness import start_peer_process, start_peer_processes
-from .swarm_util import Events, applied, join_args, start_bootstrap, start_learners, wait_all
+from .harness import start_peer_processes
+from .swarm_util import (
+    Events,
+    adversary_results,
+    applied,
+    join_args,
+    launch_adversary,
+    start_bootstrap,
+    start_learners,
+    wait_all,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
 ROUND_WAIT_S = 300
-ADVERSARY = Path(__file__).resolve().parent / "adversary.py"
-
-
-def latest_round(log: Events) -> int:
-    return max((r for (_, r) in log.hashes()), default=-1)
 
 
 def test_sybils_replayed_beats_and_hijack_records_do_not_halt_an_open_run() -> None:
@@ -41,23 +45,18 @@ def test_sybils_replayed_beats_and_hijack_records_do_not_halt_an_open_run() -> N
     honest = sorted(p.peer_id for p in peers)
     wait_all(logs, applied(1), ROUND_WAIT_S)
 
-    attacker = start_peer_process(
-        [
-            str(ADVERSARY), "--run", "local", "--initial-peer", *boot.maddrs[:1],
-            "--victims", ",".join(honest), "--attacks", "sybil_heartbeats,replayed_beats,hijacked_rounds",
-        ],
-        ready_timeout_s=180,
-    )  # fmt: skip
-    results, before_hijack = {}, None
-    while True:
-        event = attacker.next_event(600)
-        if event.get("done"):
-            break
-        results[event["attack"]] = event
+    attacker = launch_adversary(boot, honest, "sybil_heartbeats,replayed_beats,hijacked_rounds")
+    attacker.wait_ready(180)
+    before_hijack = None
+
+    def on_result(event: dict) -> None:
+        nonlocal before_hijack
         if event["attack"] == "replayed_beats":  # the hijack starts now, for 60 s
             for log in logs:
                 log.drain(quiet_s=0.5, max_s=2.0)
-            before_hijack = max(latest_round(log) for log in logs)
+            before_hijack = max(log.latest_round() for log in logs)
+
+    results = adversary_results(attacker, 600, on_result)
     for name, result in results.items():
         assert "error" not in result, (name, result)
     assert results["sybil_heartbeats"]["stored"] >= 30 and results["sybil_heartbeats"]["config_hash"]
@@ -66,7 +65,7 @@ def test_sybils_replayed_beats_and_hijack_records_do_not_halt_an_open_run() -> N
     for log in logs:
         log.drain(quiet_s=1.0, max_s=5.0)
     # during the 60 s of hijack records, every peer went on applying honest rounds
-    assert before_hijack is not None and min(latest_round(log) for log in logs) >= before_hijack + 3
+    assert before_hijack is not None and min(log.latest_round() for log in logs) >= before_hijack + 3
     tables = [log.hashes() for log in logs]
     for key in set.intersection(*(set(t) for t in tables)):
         assert len({t[key] for t in tables}) == 1, key
@@ -109,7 +108,7 @@ def test_honest_peers_whose_clocks_step_30_s_either_way_still_see_and_are_seen(t
     logs = [Events(p) for p in peers]
     wait_all(logs, applied(1), ROUND_WAIT_S)
     step_file.touch()  # the two clocks step now, mid-run
-    stepped_at = max(latest_round(log) for log in logs)
+    stepped_at = max(log.latest_round() for log in logs)
 
     def merged_by_others(me: int) -> bool:
         skewed = peers[me].peer_id

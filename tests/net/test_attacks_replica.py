@@ -24,17 +24,20 @@ from p2pdiloco.protocol.membership import Heartbeat
 from p2pdiloco.roles.download import MAX_DONOR_LAG_ROUNDS, StateDownload
 from p2pdiloco.roles.replica import MAX_CATCH_UP_ROUNDS
 
-from .harness import launch_peer_process, start_peer_process
-from .swarm_util import Events, applied, join_args, start_bootstrap, start_learners, wait_all
+from .harness import start_peer_process
+from .swarm_util import (
+    Events,
+    applied,
+    join_args,
+    launch_adversary,
+    start_bootstrap,
+    start_learners,
+    wait_all,
+)
 
 pytestmark = pytest.mark.timeout(1500)
 
 ROUND_WAIT_S = 300
-ADVERSARY = Path(__file__).resolve().parent / "adversary.py"
-
-
-def latest_round(log: Events) -> int:
-    return max((r for (_, r) in log.hashes()), default=-1)
 
 
 def joiner_identity(path: Path, attacker: str, honest: list[str], head: int) -> str:
@@ -68,13 +71,9 @@ def test_a_stale_donor_at_the_claimed_head_does_not_roll_a_joiner_back(tmp_path:
     wait_all(logs, applied(1), ROUND_WAIT_S)
 
     stop_file = tmp_path / "stop"
-    attacker = launch_peer_process(
-        [
-            str(ADVERSARY), "--run", "local", "--initial-peer", *boot.maddrs[:1],
-            "--victims", ",".join(honest), "--attacks", "stale_donor",
-        ],
-        env={"STALE_DONOR_S": "1200", "STALE_DONOR_STOP_FILE": str(stop_file)},
-    )  # fmt: skip
+    attacker = launch_adversary(
+        boot, honest, "stale_donor", env={"STALE_DONOR_S": "1200", "STALE_DONOR_STOP_FILE": str(stop_file)}
+    )
     attacker.wait_ready(180)
     captured = wait_attacker(attacker, "stale_donor_captured", ROUND_WAIT_S)
     stale_round = int(captured["rounds"]["0"])
@@ -85,7 +84,7 @@ def test_a_stale_donor_at_the_claimed_head_does_not_roll_a_joiner_back(tmp_path:
     wait_all(logs, applied(max(stale_round + 2, MAX_CATCH_UP_ROUNDS + 2)), ROUND_WAIT_S)
     for log in logs:
         log.drain(quiet_s=0.5, max_s=3.0)
-    head_at_join = max(latest_round(log) for log in logs) + 1  # a state's round: after head - 1
+    head_at_join = max(log.latest_round() for log in logs) + 1  # a state's round: after head - 1
     assert head_at_join - MAX_DONOR_LAG_ROUNDS > stale_round
     identity_path = tmp_path / "joiner.key"
     joiner_id = joiner_identity(identity_path, attacker.peer_id, honest, head_at_join)

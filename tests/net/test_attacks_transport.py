@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from .harness import launch_peer_process
-from .swarm_util import Events, applied, start_bootstrap, start_learners, wait_all
+from .swarm_util import Events, applied, launch_adversary, start_bootstrap, start_learners, wait_all
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -28,13 +27,8 @@ ROUND_WAIT_S = 300
 ATTACK_S = 75
 """The attack's length: room for 3 rounds on a loaded machine (the test waits for its end)."""
 ROUNDS_UNDER_ATTACK = 3
-ADVERSARY = Path(__file__).resolve().parent / "adversary.py"
 PACE_DEADLINE_S = 10 + 60_000 / 62_500  # framing.DEFAULT_PACE for the declared body
 SLACK_S = 15  # a loaded machine's scheduling, on top of the pace's deadline
-
-
-def latest_round(log: Events) -> int:
-    return max((r for (_, r) in log.hashes()), default=-1)
 
 
 def busy_refusals(peer, honest: list[str]) -> dict[str, int]:
@@ -57,25 +51,12 @@ def test_slow_bodies_from_many_identities_do_not_stop_the_run() -> None:
     honest = sorted(p.peer_id for p in peers)
     wait_all(logs, applied(1), ROUND_WAIT_S)
 
-    attacker = launch_peer_process(
-        [
-            str(ADVERSARY),
-            "--run",
-            "local",
-            "--initial-peer",
-            *boot.maddrs[:1],
-            "--victims",
-            ",".join(honest),
-            "--attacks",
-            "slow_bodies",
-        ],
-        env={"SLOW_BODIES_S": str(ATTACK_S)},
-    )
+    attacker = launch_adversary(boot, honest, "slow_bodies", env={"SLOW_BODIES_S": str(ATTACK_S)})
     attacker.wait_ready(180)
     attack_started = time.time()
     for log in logs:
         log.drain(quiet_s=0.5, max_s=3.0)
-    before = max(latest_round(log) for log in logs)
+    before = max(log.latest_round() for log in logs)
 
     # under attack: every learner applies 3 more rounds (the attack lasts longer than this)
     wait_all(logs, applied(before + ROUNDS_UNDER_ATTACK), ROUND_WAIT_S)
