@@ -452,6 +452,15 @@ def synchronizer_candidates(
     return eligible
 
 
+def past_round(members: Mapping[str, Heartbeat], peers: list[str], fragment: int, round_id: int) -> list[str]:
+    """Those of `peers` whose beat says they applied `round_id` of `fragment` (their
+    round of it is later): likely to hold its record and its update frame."""
+    return [
+        p for p in peers
+        if len(members[p].rounds) > fragment and members[p].rounds[fragment] > round_id
+    ]  # fmt: skip
+
+
 def learners(members: Mapping[str, Heartbeat]) -> list[str]:
     """Live learners (expected contributors of a window)."""
     return sorted(p for p, b in members.items() if b.role == "learner" and b.status != "leaving")

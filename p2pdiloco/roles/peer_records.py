@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 from p2pdiloco import wire
 from p2pdiloco.protocol.election import rendezvous_order
-from p2pdiloco.protocol.membership import Heartbeat, synchronizer_candidates
+from p2pdiloco.protocol.membership import Heartbeat, past_round, synchronizer_candidates
 from p2pdiloco.protocol.rounds import open_record, record_subkey, subkey_round
 from p2pdiloco.wire import MessageKind, register_kind
 
@@ -135,11 +135,7 @@ def records_source(
     of this peer's own (a rendezvous hash over its id and the pass), so the reads of a
     thousand replicas spread over every reachable peer."""
     live = [p for p in synchronizer_candidates(members) if p != me]
-    ahead = [
-        p for p in live
-        if len(members[p].rounds) > fragment and members[p].rounds[fragment] > round_id
-    ]  # fmt: skip
-    pool = ahead or live
+    pool = past_round(members, live, fragment, round_id) or live
     if not pool:
         return None
     return rendezvous_order(f"{RECORDS_SALT}/{me}", pass_no, fragment, pool)[0]

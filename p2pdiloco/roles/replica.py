@@ -39,7 +39,7 @@ from p2pdiloco import wire
 from p2pdiloco.outer.fragment import FragmentState, outer_update
 from p2pdiloco.outer.step import tensor_norm
 from p2pdiloco.protocol.election import rendezvous_order
-from p2pdiloco.protocol.membership import Heartbeat, learners, synchronizer_candidates
+from p2pdiloco.protocol.membership import Heartbeat, learners, past_round, synchronizer_candidates
 from p2pdiloco.protocol.rounds import (
     ROUND_RECORD_TTL_S,
     RoundRecord,
@@ -610,10 +610,7 @@ class ReplicaSync:
         only after them."""
         me, members = self.transport.peer_id, self.members()
         live = synchronizer_candidates(members)
-        past = [
-            p for p in live
-            if len(members[p].rounds) > record.fragment and members[p].rounds[record.fragment] > record.round
-        ]  # fmt: skip
+        past = past_round(members, live, record.fragment, record.round)
         having = rendezvous_order(
             f"{record.digest}/{me}", record.round, record.fragment, {*record.holders, *past} - {record.synchronizer}
         )
