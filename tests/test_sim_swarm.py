@@ -6,12 +6,17 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+import torch
+
+from p2pdiloco import compress, wire
 from p2pdiloco.sim.fair_share import FairShareLinks
 from p2pdiloco.sim.links import LOOPBACK, Population
 from p2pdiloco.sim.swarm import PARAMS, PresetBytes, SimNetwork, sim_config, simulate
 from p2pdiloco.sim.virtual_time import Deadlock, InlineExecutor, VirtualClock, run_virtual
 from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
 from p2pdiloco.transport.traffic import Traffic, key_category, rpc_category
+from p2pdiloco.wire import messages
 
 
 def test_virtual_time_jumps_to_the_next_timer_and_restores_the_clocks() -> None:
@@ -143,9 +148,29 @@ def test_a_larger_preset_is_charged_its_tensor_bytes_per_frame_not_a_multiple_of
     assert 1.0 < preset.frame_extra_bytes / (150_000_000 / 4) < 1.1
     assert preset.element_scale == 150_000_000 / PARAMS
     network = SimNetwork(VirtualClock(), preset)
-    header = 3_000  # an update frame names its contributors: charged as it is
-    assert network.charged("updates", header) == header + preset.frame_extra_bytes
-    assert network.charged("membership", header) == header
+    codec = compress.make_codec(config.compress.codec)
+    tensors = compress.encode_tensors(codec, {"p0": torch.zeros(PARAMS // 4)})
+    meta = {
+        "peer": "x" * 52, "base_round": 3, "tokens": 64, "steps": 2, "step_time_s": 0.5,
+        "first_step": 0, "last_step": 1,
+    }  # fmt: skip
+    delta = wire.encode_message(
+        wire.Message(kind=wire.CONTRIBUTION, run="r", round=3, fragment=0, meta=meta, tensors=tensors)
+    )
+    assert wire.tensor_bytes(delta) > 0
+    for category in ("deltas", "updates"):  # a frame's header is charged as it is
+        assert network.charged(category, delta, response=False) == len(delta) + preset.frame_extra_bytes
+    assert network.charged("state", delta, response=True) == pytest.approx(
+        len(delta) + wire.tensor_bytes(delta) * (preset.element_scale - 1)
+    )
+    assert network.charged("membership", delta, response=False) == len(delta)
+    # what carries no tensors weighs what it weighs: a contribute reply (the synchronizer
+    # sends M of them a window), a get_update request, a MISSING, bytes that are no frame
+    reply = messages.reply("r", 3, 0, "peer", messages.MERGED, digest="ab" * 32)
+    assert wire.tensor_bytes(reply) == 0
+    for message in (reply, b"", b"P2PD", b"junk" * 100):
+        for category in ("deltas", "updates", "state"):
+            assert network.charged(category, message, response=True) == len(message)
 
 
 def test_a_synchronizer_of_a_larger_preset_moves_a_few_frames_per_learner_per_window() -> None:

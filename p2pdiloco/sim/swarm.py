@@ -126,12 +126,22 @@ class SimNetwork(MemoryNetwork):
         self._identities[made.peer_id] = made
         return made.peer_id
 
-    def charged(self, category: str, size: int) -> float:
-        """What a message of the small model weighs as one of the simulated preset's."""
+    def charged(self, category: str, message: bytes, response: bool) -> float:
+        """What a message of the small model weighs as one of the simulated preset's: a
+        payload message that carries tensors (a delta, an update, a state part) grows by
+        the preset's; a request or a reply without tensors (a get_update, a contribute
+        reply, a MISSING) weighs what it weighs. An audit's reply (sealed contributions
+        in a list, no frame of its own) is charged one frame's growth."""
+        size = len(message)
         if self.preset is None or category not in PAYLOAD:
             return float(size)
+        if category == "audits":
+            return size + (self.preset.frame_extra_bytes if response else 0.0)
+        carried = wire.tensor_bytes(message)
+        if not carried:
+            return float(size)
         if category == "state":
-            return size * self.preset.element_scale
+            return size + carried * (self.preset.element_scale - 1)
         return size + self.preset.frame_extra_bytes
 
     def rtt(self, a: str, b: str) -> float:
@@ -199,12 +209,12 @@ class SimTransport(MemoryTransport):
         if remote is None or remote.client_mode:  # gone, or takes no inbound connection
             await asyncio.sleep(net.rtt(self.peer_id, peer_id) * 2)  # a dial that gets nothing
             raise PeerUnreachable(f"peer {peer_id} is unreachable")
-        sent = net.charged(category, len(request))
+        sent = net.charged(category, request, response=False)
         net.payload_moved[(self.peer_id, category, "up")] += sent
         net.payload_moved[(peer_id, category, "down")] += sent
         await net.transfer(self.peer_id, peer_id, sent)
         response = await super()._call(peer_id, name, request, max_response)
-        got = net.charged(category, len(response))
+        got = net.charged(category, response, response=True)
         net.payload_moved[(peer_id, category, "up")] += got
         net.payload_moved[(self.peer_id, category, "down")] += got
         await net.transfer(peer_id, self.peer_id, got)

@@ -47,6 +47,7 @@ __all__ = [
     "lazy_tensors",
     "encode_message",
     "register_kind",
+    "tensor_bytes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -425,6 +426,16 @@ def encode_message(msg: Message) -> bytes:
     parts = [_PREFIX.pack(MAGIC, len(packed)), packed]
     parts.extend(enc.payload for enc in msg.tensors.values())
     return b"".join(parts)
+
+
+def tensor_bytes(frame: bytes) -> int:
+    """Bytes of `frame` after its header, i.e. its tensors' payload: 0 for a frame that
+    carries none (a reply, a request) and for bytes that are no frame. Reads the prefix
+    only (the simulator charges a larger model's bytes to the messages that carry one)."""
+    if len(frame) < _PREFIX.size:
+        return 0
+    magic, header_bytes = _PREFIX.unpack_from(frame)
+    return max(len(frame) - _PREFIX.size - header_bytes, 0) if magic == MAGIC else 0
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
