@@ -113,7 +113,9 @@ def run_sizes(
         by_n[str(n)] = entry
         print(
             f"N={n}: protocol {entry['protocol_bytes_per_s_per_peer']['p50'] / 1e3:.1f} kB/s/peer p50 "
-            f"(max {entry['protocol_bytes_per_s_per_peer']['max'] / 1e3:.1f}), busiest key "
+            f"(p90 {entry['protocol_bytes_per_s_per_peer']['p90'] / 1e3:.1f}, max "
+            f"{entry['protocol_bytes_per_s_per_peer']['max'] / 1e3:.1f}, max of the peers there "
+            f"all along {entry['protocol_bytes_per_s_per_peer']['max_whole_span'] / 1e3:.1f}), busiest key "
             f"{entry['busiest_key_bytes_per_s'] / 1e6:.2f} MB/s, busiest peer "
             f"{entry['busiest_peer_bytes_per_s'] / 1e6:.2f} MB/s, round latency {entry['round_latency_s']:.2f} s, "
             f"goodput {entry['goodput']:.2f} ({entry['real_s']} s real)",

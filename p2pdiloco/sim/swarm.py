@@ -326,6 +326,9 @@ class SwarmFigures:
     n: int
     seconds: float
     protocol_bytes_per_s_per_peer: dict[str, float]
+    """p50, p90 and max over the peers; `max_whole_span`: over those that were there
+    before the span began (a newcomer's span holds its one-time sweep of every shard
+    and its first records, a join's cost, not a rate it keeps)."""
     by_role: dict[str, dict[str, float]]
     by_category: dict[str, dict[str, float]]
     busiest_key_bytes_per_s: float
@@ -645,7 +648,7 @@ class Swarm:
         for key, opened in self.window_opened.items():
             applied = self.applied.get(key, [])
             if opened >= start and applied:
-                latencies.append(sorted(applied)[int(0.9 * (len(applied) - 1))] - opened)
+                latencies.append(_quantile(applied, 0.9) - opened)
         computed = sum(
             p.tokens_computed - tokens_base.get(p.peer_id, (0, 0))[0] for p in self.peers
         )
@@ -675,7 +678,12 @@ class Swarm:
                     seen[(fragment, round_id)].add(hash_)
         return SwarmFigures(
             n=self.n, seconds=span,
-            protocol_bytes_per_s_per_peer={"p50": statistics.median(per_peer), "max": max(per_peer)},
+            protocol_bytes_per_s_per_peer={
+                "p50": statistics.median(per_peer), "p90": _quantile(per_peer, 0.9), "max": max(per_peer),
+                "max_whole_span": max(
+                    (b for b, p in zip(per_peer, self.peers, strict=True) if p.joined_at <= start), default=math.nan
+                ),
+            },
             by_role={r: {"peers": len(v), "bytes_per_s_p50": statistics.median(v), "max": max(v)} for r, v in roles.items()},
             by_category=categories,
             busiest_key_bytes_per_s=keys.get(busiest_key, 0.0), busiest_key=busiest_key,
@@ -705,6 +713,12 @@ class Swarm:
             records[key] for key, opened in self.window_opened.items()
             if opened >= start and key in records
         )  # fmt: skip
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """The `q` quantile of `values` (nearest rank below)."""
+    ordered = sorted(values)
+    return ordered[int(q * (len(ordered) - 1))]
 
 
 def _encoders(peer: SimPeer) -> list:
