@@ -62,6 +62,8 @@ AGGREGATION_SYNC = {"max_grace_s": 30.0, "round_deadline_s": 120.0}
 upload, so stragglers get a longer grace, and a window waits longer for its quorum
 (`min_quorum`: a quarter of the learners, so one fast learner does not close every
 window alone)."""
+AGGREGATION_QUORUM_SHARE = 0.25
+"""`min_quorum` of the aggregation figure, as a share of M (`--quorum-share`)."""
 SYNCHRONIZERS_100MBIT = Population(public_link_mbit=100.0, step_sigma=0.3)
 """The drawn volunteers, the public ones (synchronizer candidates) on 100 Mbit/s links;
 machines that train a 150m model within a 3x spread of speed (GPUs, not CPUs)."""
@@ -135,13 +137,15 @@ def preset_parameters(preset: str) -> int:
 
 
 def aggregation(
-    learners: list[int], preset: str, seed: int, designs_run: tuple[str, ...] = ("before", "after")
+    learners: list[int], preset: str, seed: int, designs_run: tuple[str, ...] = ("before", "after"),
+    quorum_share: float = AGGREGATION_QUORUM_SHARE,
 ) -> dict[str, Any]:
     """Synchronizer payload bytes per window and round latency against M learners, on
-    `preset`'s bytes, for the `before` and `after` designs (module docstring)."""
+    `preset`'s bytes, for the `before` and `after` designs (module docstring); each
+    window's `min_quorum` is `quorum_share` of M (at least 2)."""
     params = preset_parameters(preset)
     designs = {"before": (1, EVERYONE), "after": (AGGREGATION_FRAGMENTS, None)}
-    out: dict[str, Any] = {"preset": preset, "parameters": params, "by_design": {}}
+    out: dict[str, Any] = {"preset": preset, "parameters": params, "quorum_share": quorum_share, "by_design": {}}
     for design, (fragments, pushes) in designs.items():
         if design not in designs_run:
             continue
@@ -152,7 +156,7 @@ def aggregation(
                 scaled_config(m, "after"),
                 sync={
                     **AGGREGATION_SYNC, "inner_steps": AGGREGATION_INNER_STEPS,
-                    "num_fragments": fragments, "min_quorum": max(2, m // 4),
+                    "num_fragments": fragments, "min_quorum": max(2, int(m * quorum_share)),
                 },
             )
             figures = simulate(
@@ -325,6 +329,10 @@ def main() -> None:
     parser.add_argument(
         "--aggregation-designs", default="before,after", help="which designs --aggregation runs"
     )
+    parser.add_argument(
+        "--quorum-share", type=float, default=AGGREGATION_QUORUM_SHARE,
+        help="min_quorum of --aggregation as a share of M (at least 2)",
+    )
     parser.add_argument("--real-from", type=Path, help="re-simulate the agreement of a saved --json")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
@@ -350,7 +358,7 @@ def main() -> None:
     if args.aggregation:
         result["aggregation"] = aggregation(
             [int(x) for x in args.aggregation.split(",")], args.preset, args.seed,
-            tuple(args.aggregation_designs.split(",")),
+            tuple(args.aggregation_designs.split(",")), args.quorum_share,
         )
     if args.json and result["by_n"] is not None:
         args.json.write_text(json.dumps(result, indent=2, default=float) + "\n")
