@@ -16,9 +16,7 @@ from p2pdiloco import compress, wire
 from p2pdiloco.config import RunConfig, replace
 from p2pdiloco.protocol.election import synchronizer_order
 from p2pdiloco.protocol.membership import Heartbeat
-from p2pdiloco.protocol.rounds import open_record, rounds_key
-from p2pdiloco.roles import synchronizer
-from p2pdiloco.roles.learner_link import LearnerLink, with_unreachable
+from p2pdiloco.roles.learner_link import LearnerLink
 from p2pdiloco.roles.replica import ReplicaSync
 from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.roles.synchronizer import Synchronizer
@@ -85,21 +83,16 @@ class Peer:
         return wire.encode_message(message)
 
 
-async def ordered_peers(count: int) -> tuple[MemoryNetwork, list[Peer]]:
-    """The network and `count` peers in the rendezvous order of (round 0, fragment 0)."""
+async def three_peers() -> tuple[MemoryNetwork, Peer, Peer, Peer]:
+    """(network, top, second, third) in the rendezvous order of (round 0, fragment 0)."""
     network = MemoryNetwork()
-    ids = [network.new_peer_id() for _ in range(count)]
-    peers = [Peer(network, p) for p in synchronizer_order(RUN, 0, 0, ids)]
+    ids = [network.new_peer_id() for _ in range(3)]
+    top, second, third = synchronizer_order(RUN, 0, 0, ids)
+    peers = [Peer(network, p) for p in (top, second, third)]
     for peer in peers:
         await peer.transport.start()
         await peer.replicas.start()
         await peer.sync.start()
-    return network, peers
-
-
-async def three_peers() -> tuple[MemoryNetwork, Peer, Peer, Peer]:
-    """(network, top, second, third) in the rendezvous order of (round 0, fragment 0)."""
-    network, peers = await ordered_peers(3)
     return network, *peers
 
 
@@ -162,55 +155,5 @@ def test_failover_past_a_dead_top_that_is_still_in_the_views_does_not_move_back(
             assert outcome.status == messages.MERGED
             assert outcome.synchronizer == second.transport.peer_id
         assert not [e for e in second.events if e["event"] == "window_moved"]
-
-    run(scenario())
-
-
-def test_a_failover_window_yields_to_a_live_top_committing_the_same_round(monkeypatch) -> None:
-    """The top is alive and closing its own window of round 0 (its delta and fourth's)
-    when second and third, whose calls to it timed out, fail over to second. Both
-    windows close. Before, second committed too: two records of round 0, and every
-    replica that applied second's first repaired to the top's (the simulator's forks at
-    M = 100, quorum 10). Now second's failover window waits (`window_yields`), finds the
-    top's record and answers its learners late; round 0 has one record."""
-    monkeypatch.setattr(synchronizer, "FAILOVER_YIELD_S", 10.0)  # the test releases the top at once
-
-    async def scenario() -> None:
-        _, peers = await ordered_peers(4)
-        top, second, third, fourth = peers
-        ids = [p.transport.peer_id for p in peers]
-        for peer in peers:
-            peer.sees(*ids)
-        closing, release = asyncio.Event(), asyncio.Event()
-        hold = top.sync.committer.hold
-
-        async def held(update):  # the top's commit waits until second's window closed
-            closing.set()
-            await release.wait()
-            return await hold(update)
-
-        top.sync.committer.hold = held
-        on_time = asyncio.gather(
-            top.link.contribute(0, 0, top.frame(1.0)), fourth.link.contribute(0, 0, fourth.frame(2.0))
-        )
-        await closing.wait()
-
-        def failed_over(peer: Peer):
-            frame = with_unreachable(peer.frame(3.0), [ids[0]], LIMITS)
-            return peer.transport.call(
-                ids[1], f"{RUN}.{messages.RPC_CONTRIBUTE}", seal_contribution(peer.transport.identity, RUN, frame), 60
-            )
-
-        failover = asyncio.gather(failed_over(second), failed_over(third))
-        while not [e for e in second.events if e["event"] == "window_yields"]:
-            await asyncio.sleep(0.01)
-        assert [e["to"] for e in second.events if e["event"] == "window_yields"] == [ids[0]]
-        release.set()
-        assert [o.status for o in await on_time] == [messages.MERGED, messages.MERGED]
-        replies = [wire.decode_message(raw, LIMITS) for raw in await failover]
-        assert [r.meta["status"] for r in replies] == [messages.LATE, messages.LATE]
-        stored = await top.transport.get(rounds_key(RUN, 0, 0, top.replicas.epoch_rounds))
-        by = {open_record(RUN, value).synchronizer for value, _ in stored.values()}
-        assert by == {ids[0]}
 
     run(scenario())

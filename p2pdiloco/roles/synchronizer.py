@@ -47,11 +47,6 @@ log = logging.getLogger(__name__)
 CATCH_UP_S = 15.0
 """Longest a contribution from a learner a round ahead waits for this synchronizer's sync
 pass (`Synchronizer._caught_up`); past it, the learner is answered "behind"."""
-FAILOVER_YIELD_S = 5.0
-"""Least time a failover window (its learners found the better-placed synchronizer
-unreachable, which this peer still sees live) waits before committing, so that one,
-if it is alive and committing the same round, stores its record first
-(`Synchronizer._yielded`)."""
 
 
 class Synchronizer:
@@ -358,40 +353,9 @@ class Synchronizer:
 
     # --- closing: the commit's steps (commit.Committer) -------------------------------------
 
-    async def _yielded(self, window: Window) -> bool:
-        """False when a failover window should not commit: the better-placed synchronizer
-        it was opened past committed the round while this one waited.
-
-        A learner fails over when its call to the top of the election order times out,
-        which a loaded top's does while it is alive and closing its own window of the
-        same round from other learners' deltas. Both windows then close at about the
-        same time; if both read "no record yet" before either stored one, both commit,
-        and every replica that applied the lower-ranked record first repairs to the
-        other (seen in the simulator at M = 100, 64 fragments, quorum 10). The failover
-        window waits about two of this peer's commit times first (`FAILOVER_YIELD_S` at
-        least, half a round deadline at most), then looks for the round's record; the
-        top, committing later, finds this one's record itself. A top that is really gone
-        costs its rounds that wait."""
-        better = self.elected_elsewhere(window.round, window.fragment)
-        if not window.unreachable or better is None:
-            return True
-        wait_s = min(
-            max(FAILOVER_YIELD_S, 2 * self.committer.sync_time.get(0.0)), self.config.sync.round_deadline_s / 2
-        )
-        self.on_event({
-            "event": "window_yields", "round": window.round, "fragment": window.fragment,
-            "to": better, "wait_s": wait_s,
-        })  # fmt: skip
-        await asyncio.sleep(wait_s)
-        return not await self.committer.committed_elsewhere(window.round, window.fragment)
-
     async def _close(self, window: Window, grace_s: float) -> None:
         """Commit a window the machine closed, and answer its learners."""
         started, committer = time.monotonic(), self.committer
-        if not await self._yielded(window):
-            log.warning("%s round=%d fragment=%d: failover window yields", COMMITTED_ELSEWHERE, window.round, window.fragment)
-            self._finish(window, self._late_reply(window.round, window.fragment, COMMITTED_ELSEWHERE))
-            return
         merged = await committer.merge(window, grace_s)
         screening = merged.result.screening
         for peer, reason in screening.refused.items():
