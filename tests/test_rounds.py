@@ -33,6 +33,7 @@ from p2pdiloco.protocol.rounds import (
     record_subkey,
     records_of,
     seal_record,
+    skipped_on_chain,
     standing_key,
     superseded_digests,
 )
@@ -691,3 +692,25 @@ def test_the_remembered_chain_is_a_copy_and_follows_new_records() -> None:
     assert canonical_chain(RUN, [r0], GENESIS) == {0: r0}
     assert canonical_chain(RUN, [r0, r1], GENESIS) == {0: r0, 1: r1}
     assert r1.named == frozenset({"b", "c", "d"})
+
+
+def test_a_synchronizer_the_chain_never_named_would_commit_a_record_every_other_peer_skips() -> None:
+    """In an open run, a failover window at a peer no record of the chain names (C: not a
+    synchronizer, contributor or holder of rounds 0-5) makes an UNPROVEN record: every
+    other peer skips it, so its synchronizer, installing it alone, applied a round nobody
+    else did (the simulator's forks at M = 100, quorum 10: the better-placed synchronizer
+    committed the round later, and the lone replica repaired). `Committer.publish` now
+    refuses it. A named peer's record, a takeover after a long stall and a first round
+    stay committable."""
+    chain = _open_chain(6)
+    closed = chain[-1].closed_at + 5
+    stranger = dataclasses_replace(record(6, C, parent="h5", hash="c6", contributors=((C, 1.0, 10),)), closed_at=closed)
+    named = dataclasses_replace(record(6, A, parent="h5", hash="a6", contributors=((C, 1.0, 10),)), closed_at=closed)
+    takeover = dataclasses_replace(stranger, closed_at=chain[-1].closed_at + 2 * SUPERSEDE_AFTER_S + 1)
+    first = record(0, C, parent=GENESIS, hash="c0")
+    assert skipped_on_chain(chain, stranger)
+    assert not skipped_on_chain(chain, named)
+    assert not skipped_on_chain(chain, takeover)
+    assert not skipped_on_chain([], first)
+    # what the other peers' canonical rules do with it: skip it, as the check predicts
+    assert 6 not in canonical_chain(RUN, [*chain, stranger], GENESIS, open_run=True)

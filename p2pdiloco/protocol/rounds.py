@@ -394,6 +394,17 @@ def counted_records(
     return [r for r in records if standing.get(standing_key(r)) != UNPROVEN]
 
 
+def skipped_on_chain(
+    chain: Iterable[RoundRecord], record: RoundRecord, supersede_after_s: float = SUPERSEDE_AFTER_S
+) -> bool:
+    """Whether an open run's canonical rules would skip `record` (UNPROVEN) on top of
+    `chain`, the records its synchronizer follows: no record of its ancestry names it,
+    and its parent is too recent for a takeover. Such a record changes no other peer's
+    chain, so its synchronizer must not commit it either: installing it alone, it would
+    apply a round nobody else applies (`Committer.publish`)."""
+    return counted_records([*chain, record], True, supersede_after_s).count(record) == 0
+
+
 def _named_in_ancestry(
     peer: str, parents: list[RoundRecord], index: dict[tuple[int, str], list[RoundRecord]]
 ) -> bool:

@@ -39,6 +39,7 @@ from p2pdiloco.protocol.rounds import (
     records_of,
     rounds_key,
     signed_record,
+    skipped_on_chain,
 )
 from p2pdiloco.protocol.windows import RunningMean
 from p2pdiloco.roles.replica import ReplicaSync
@@ -73,6 +74,9 @@ fetcher in an order of its own), so what a synchronizer uploads per round is bou
 COMMITTED_ELSEWHERE = "round committed elsewhere"
 """`publish`: a rival record of the round exists; ours is not stored (learners: late)."""
 NOT_STORED = "round record not stored"
+NOT_PROVEN = "no record of this chain names this synchronizer"
+"""An open run's failover window at a peer the chain never named: its record would be
+UNPROVEN, skipped by every other peer (`rounds.skipped_on_chain`); not committed."""
 """`publish`: the DHT kept no record; nothing is committed (learners: no quorum)."""
 
 
@@ -335,9 +339,13 @@ class Committer:
 
     async def publish(self, window: Window, merged: Merged, record: RoundRecord) -> str:
         """Step 3, the commit point: "" once the record is stored, else why not
-        (`COMMITTED_ELSEWHERE` or `NOT_STORED`)."""
+        (`COMMITTED_ELSEWHERE`, `NOT_PROVEN` or `NOT_STORED`)."""
         if await self.committed_elsewhere(window.round, window.fragment):
             return COMMITTED_ELSEWHERE
+        if self.replicas.open_run and skipped_on_chain(
+            self.replicas.chains[window.fragment].values(), record, self.replicas.void_after_s
+        ):
+            return NOT_PROVEN
         # kept before the record is stored: a peer that reads the record at once may audit
         # it at once (an out-of-line update it cannot verify is held, its synchronizer
         # distrusted); kept for a record that did not get stored, they are never asked for
