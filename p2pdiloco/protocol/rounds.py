@@ -402,7 +402,7 @@ def skipped_on_chain(
     and its parent is too recent for a takeover. Such a record changes no other peer's
     chain, so its synchronizer must not commit it either: installing it alone, it would
     apply a round nobody else applies (`Committer.publish`)."""
-    return counted_records([*chain, record], True, supersede_after_s).count(record) == 0
+    return record not in counted_records([*chain, record], True, supersede_after_s)
 
 
 def _named_in_ancestry(

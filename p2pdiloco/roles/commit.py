@@ -74,10 +74,11 @@ fetcher in an order of its own), so what a synchronizer uploads per round is bou
 COMMITTED_ELSEWHERE = "round committed elsewhere"
 """`publish`: a rival record of the round exists; ours is not stored (learners: late)."""
 NOT_STORED = "round record not stored"
-NOT_PROVEN = "no record of this chain names this synchronizer"
-"""An open run's failover window at a peer the chain never named: its record would be
-UNPROVEN, skipped by every other peer (`rounds.skipped_on_chain`); not committed."""
 """`publish`: the DHT kept no record; nothing is committed (learners: no quorum)."""
+NOT_PROVEN = "no record of this chain names this synchronizer"
+"""`publish`: an open run's failover window at a peer the chain never named: its record
+would be UNPROVEN, skipped by every other peer (`rounds.skipped_on_chain`); not committed
+(learners: no quorum)."""
 
 
 @dataclass(frozen=True)
