@@ -16,7 +16,8 @@ from p2pdiloco import compress, wire
 from p2pdiloco.config import RunConfig, replace
 from p2pdiloco.protocol.election import synchronizer_order
 from p2pdiloco.protocol.membership import Heartbeat
-from p2pdiloco.roles.learner_link import LearnerLink
+from p2pdiloco.roles.commit import NOT_PROVEN
+from p2pdiloco.roles.learner_link import LearnerLink, with_unreachable
 from p2pdiloco.roles.replica import ReplicaSync
 from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.roles.synchronizer import Synchronizer
@@ -155,5 +156,59 @@ def test_failover_past_a_dead_top_that_is_still_in_the_views_does_not_move_back(
             assert outcome.status == messages.MERGED
             assert outcome.synchronizer == second.transport.peer_id
         assert not [e for e in second.events if e["event"] == "window_moved"]
+
+    run(scenario())
+
+
+def test_a_peer_the_chain_never_named_opens_no_window_and_sends_the_delta_to_one_it_names() -> None:
+    """An open run's failover to a peer no record names: its record would be UNPROVEN,
+    skipped by every other peer, so its commit is refused (`NOT_PROVEN`). It now refuses
+    the window at intake: moved to the best-placed named peer the learner did not report
+    unreachable, or no quorum at once when it reported them all, instead of a window's
+    wait for a commit that cannot count."""
+
+    async def scenario() -> None:
+        network = MemoryNetwork()
+        ids = [network.new_peer_id() for _ in range(4)]
+        newcomer = synchronizer_order(RUN, 1, 0, ids)[0]  # first in round 1's order
+        named = [p for p in ids if p != newcomer]
+        top, second, third = (Peer(network, p) for p in synchronizer_order(RUN, 0, 0, named))
+        late = Peer(network, newcomer)
+        for peer in (top, second, third, late):
+            await peer.transport.start()
+            await peer.replicas.start()
+            await peer.sync.start()
+            peer.sees(*named)
+        # round 0 without the newcomer: its record names the three others
+        outcomes = await asyncio.gather(
+            second.link.contribute(0, 0, second.frame(1.0)), third.link.contribute(0, 0, third.frame(3.0))
+        )
+        assert [o.status for o in outcomes] == [messages.MERGED, messages.MERGED]
+        late.sees(*ids)
+        assert await late.replicas.sync_fragment(0) and late.state.round_of(0) == 1
+        assert late.sync.elected_elsewhere(1, 0) is None  # it tops round 1's order by itself
+
+        def frame(unreachable: list[str]) -> bytes:
+            message = wire.decode_message(second.frame(1.0), LIMITS)
+            message = wire.Message(message.kind, RUN, 1, 0, {**message.meta, "base_round": 1}, message.tensors)
+            return with_unreachable(wire.encode_message(message), unreachable, LIMITS)
+
+        async def send(unreachable: list[str]) -> wire.Message:
+            raw = await second.transport.call(
+                newcomer, f"{RUN}.{messages.RPC_CONTRIBUTE}",
+                seal_contribution(second.transport.identity, RUN, frame(unreachable)), 10,
+            )  # fmt: skip
+            return wire.decode_message(raw, LIMITS)
+
+        reply = await send([])
+        assert reply.meta["status"] == messages.MOVED
+        assert reply.meta["moved_to"] == synchronizer_order(RUN, 1, 0, named)[0]
+        best = synchronizer_order(RUN, 1, 0, named)[0]
+        reply = await send([best])
+        assert reply.meta["moved_to"] == synchronizer_order(RUN, 1, 0, [p for p in named if p != best])[0]
+        reply = await send(named)
+        assert reply.meta["status"] == messages.NO_QUORUM
+        assert reply.meta["reason"] == NOT_PROVEN
+        assert not late.sync.windows
 
     run(scenario())

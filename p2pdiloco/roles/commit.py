@@ -338,6 +338,21 @@ class Committer:
             for r in counted_records(records, self.replicas.open_run, self.replicas.void_after_s)
         )
 
+    def unproven(self, round_id: int, fragment: int, closes_by: float) -> bool:
+        """Whether a record of ours for (round, fragment), closed as late as `closes_by`
+        (swarm time), would still be skipped by an open run's canonical rules
+        (`rounds.skipped_on_chain`): no record of the chain names this peer and the parent
+        is too recent for a takeover. Asked when a delta would open a window here, so the
+        learner goes to a peer whose record counts at once (`Synchronizer.rpc_contribute`)
+        instead of waiting out a window whose commit `publish` refuses (`NOT_PROVEN`)."""
+        parent = self.replicas.parent_hash(fragment, round_id)
+        if not self.replicas.open_run or parent is None:
+            return False
+        probe = RoundRecord(
+            round=round_id, fragment=fragment, synchronizer=self.peer_id, hash="", parent=parent, closed_at=closes_by
+        )
+        return skipped_on_chain(self.replicas.chains[fragment].values(), probe, self.replicas.void_after_s)
+
     async def publish(self, window: Window, merged: Merged, record: RoundRecord) -> str:
         """Step 3, the commit point: "" once the record is stored, else why not
         (`COMMITTED_ELSEWHERE`, `NOT_PROVEN` or `NOT_STORED`)."""

@@ -32,7 +32,7 @@ from p2pdiloco.protocol.windows import (
     clamp_tokens,
     overlap_steps_of,
 )
-from p2pdiloco.roles.commit import COMMITTED_ELSEWHERE, Committer
+from p2pdiloco.roles.commit import COMMITTED_ELSEWHERE, NOT_PROVEN, Committer
 from p2pdiloco.roles.replica import ReplicaSync
 from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.roles.window import Window
@@ -172,6 +172,9 @@ class Synchronizer:
             moved_to = self.elected_elsewhere(target, fragment, checked.unreachable)
             if moved_to:
                 return self._moved_reply(target, fragment, moved_to)
+            closes_by = self.transport.now() + self.config.sync.round_deadline_s
+            if self.committer.unproven(target, fragment, closes_by):
+                return self._unproven_reply(target, fragment, checked.unreachable)
             if await self.committer.committed_elsewhere(target, fragment):
                 return self._late_reply(target, fragment, "round already closed elsewhere")
         loop = asyncio.get_running_loop()
@@ -242,6 +245,18 @@ class Synchronizer:
         candidates.add(self.peer_id)
         top = synchronizer_order(self.run, round_id, fragment, candidates)[0]
         return None if top == self.peer_id else top
+
+    def _unproven_reply(self, round_id: int, fragment: int, unreachable: set[str]) -> bytes:
+        """The answer to a delta that would open a window whose record nobody counts (an
+        open run's failover to a peer the chain never named, `Committer.unproven`): moved
+        to the best-placed peer the chain does name, or no quorum at once when the learner
+        reached none of them (it folds the delta into its next one, as after a window that
+        ended without a commit, without waiting for one)."""
+        named = set(self.replicas.entitlement.candidates(self.members(), fragment, round_id))
+        others = named - unreachable - {self.peer_id}
+        if others:
+            return self._moved_reply(round_id, fragment, synchronizer_order(self.run, round_id, fragment, others)[0])
+        return self._status(round_id, fragment, messages.NO_QUORUM, reason=NOT_PROVEN)
 
     def _moved_reply(self, round_id: int, fragment: int, moved_to: str) -> bytes:
         return self._status(
