@@ -241,7 +241,7 @@ def test_heartbeats_carry_the_panels_figures_and_old_ones_still_decode() -> None
         "audits_mismatch",
         "audits_unverifiable",
     ):
-        del old[name]
+        old.pop(name, None)  # a beat leaves out its zeros now; an old one never had these
     assert decode_heartbeat(msgpack.packb(old)) == Heartbeat(peer_id=A)
 
 

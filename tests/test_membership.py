@@ -37,6 +37,18 @@ def test_round_trip() -> None:
     assert open_heartbeat(RUN, ID["A"], seal_heartbeat(KEYS["A"], RUN, beat)) == beat
 
 
+def test_a_beat_carries_only_the_fields_that_differ_from_their_defaults() -> None:
+    """Every peer reads a shard of beats per beat (and a newcomer all of them): the zeros of
+    a learner's beat (audits, staleness, eval loss, certificates...) are not sent; the
+    reader fills them in, and the protocol version is always there to be checked."""
+    bare = Heartbeat(peer_id=ID["A"])
+    assert set(msgpack.unpackb(bare.encode())) == {"peer_id", "protocol"}
+    assert decode_heartbeat(bare.encode()) == bare
+    busy = Heartbeat(peer_id=ID["A"], status="training", rounds=(0,), loss=2.5, client_mode=True)
+    assert set(msgpack.unpackb(busy.encode())) == {"peer_id", "protocol", "status", "rounds", "loss", "client_mode"}
+    assert decode_heartbeat(busy.encode()) == busy
+
+
 def test_live_membership_drops_expired_foreign_unsigned_and_malformed_records() -> None:
     now = 100.0
     other_protocol = msgpack.packb({"peer_id": ID["C"], "protocol": PROTOCOL_VERSION + 1})

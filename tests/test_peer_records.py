@@ -72,6 +72,9 @@ def test_a_peer_serves_what_it_holds_from_the_round_asked_lowest_first_and_bound
     raw["3/expired"] = (sealed_record(signer, 3), NOW - 1)
     served = peer_records.served(raw, 40, NOW)
     assert served == [sealed_record(signer, r) for r in range(40, 40 + peer_records.MAX_SERVED_RECORDS)]
+    # with epochs: only the rounds the asker keeps (its epoch and the next)
+    assert peer_records.served(raw, 40, NOW, epoch_rounds=8) == [sealed_record(signer, r) for r in range(40, 56)]
+    assert peer_records.served(raw, 41, NOW, epoch_rounds=1) == [sealed_record(signer, r) for r in (41, 42)]
     reply = peer_records.records_reply(RUN, 0, signer.peer_id, served)
     assert peer_records.parse_records_reply(reply, wire.WireLimits(), RUN) == served
     assert isinstance(peer_records.parse_records_reply(b"garbage", wire.WireLimits(), RUN), str)

@@ -74,13 +74,28 @@ def records_reply(run: str, fragment: int, me: str, sealed: list[bytes]) -> byte
     return wire.encode_message(message)
 
 
-def served(raw: Mapping[str, tuple[bytes, float]], from_round: int, now: float) -> list[bytes]:
+def asked_rounds(from_round: int, epoch_rounds: int) -> range:
+    """The rounds a `get_records` reply may add for a replica at `from_round`: its epoch
+    and the next (what a DHT read of the same pass brings, `ReplicaSync._read_records`)."""
+    first = from_round // epoch_rounds * epoch_rounds
+    return range(first, first + 2 * epoch_rounds)
+
+
+def served(
+    raw: Mapping[str, tuple[bytes, float]], from_round: int, now: float, epoch_rounds: int = 0
+) -> list[bytes]:
     """What this peer answers: the unexpired records it holds of rounds `from_round` on,
-    lowest rounds first, at most `MAX_SERVED_RECORDS`."""
+    lowest rounds first, at most `MAX_SERVED_RECORDS`; with epochs, only those of the
+    rounds the asker keeps (`asked_rounds`): a peer far ahead sent up to 32 records of
+    which a replica behind it kept 2 (with epochs of one round)."""
+    until = asked_rounds(from_round, epoch_rounds).stop if epoch_rounds > 0 else None
     found = []
     for subkey, (sealed, expiration) in raw.items():
         round_id = subkey_round(subkey)
-        if expiration >= now and round_id is not None and round_id >= from_round:
+        if (
+            expiration >= now and round_id is not None and round_id >= from_round
+            and (until is None or round_id < until)
+        ):  # fmt: skip
             found.append((round_id, subkey, sealed))
     return [sealed for _, _, sealed in sorted(found)[:MAX_SERVED_RECORDS]]
 

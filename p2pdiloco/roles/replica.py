@@ -136,7 +136,7 @@ class ReplicaSync:
         self.entitlement = Entitlement(run, admission or Admission(), transport.now)
         self.server = UpdateServer(transport, run, state, limits, worker)
         self.server.records = lambda fragment, from_round: peer_records.served(
-            self._raw_records[fragment], from_round, self.transport.now()
+            self._raw_records[fragment], from_round, self.transport.now(), self.epoch_rounds
         )
         self._record_passes = [0 for _ in state.fragments]
         """With epochs: sync passes per fragment (every `DHT_READ_EVERY`th reads the DHT)."""
@@ -257,9 +257,8 @@ class ReplicaSync:
         if isinstance(sealed, str):
             log.info("records refused peer=%s reason=%r", peer[-8:], sealed)
             return None
-        first = round_id // self.epoch_rounds * self.epoch_rounds
         kept, now = self._raw_records[fragment], self.transport.now()
-        rounds = range(first, first + 2 * self.epoch_rounds)
+        rounds = peer_records.asked_rounds(round_id, self.epoch_rounds)
         added = peer_records.admit(kept, sealed, self.run, fragment, rounds, ROUND_RECORD_TTL_S, now)
         if fragment not in self._records_from_peers:
             self._records_from_peers.add(fragment)  # once: a pass every beat would flood the events
