@@ -104,6 +104,31 @@ def test_a_record_survives_encode_then_decode_field_for_field() -> None:
     assert decode_round_record(bytearray(original.encode())) == original
 
 
+def test_a_record_naming_a_window_of_contributors_travels_compressed_and_a_bomb_is_not_a_record() -> None:
+    """Every replica reads every record (more than once at N = 1,000): a record naming 50
+    contributors, each with a base58 id and a hex digest, is sent zstd-compressed, about a
+    quarter smaller; a zstd frame that declares more than a record may hold, or nothing,
+    is not a record."""
+    import hashlib
+
+    import zstandard
+
+    ids = [Identity.generate().peer_id for _ in range(50)]
+    digests = [hashlib.sha256(p.encode()).hexdigest() for p in ids]
+    window = dataclasses_replace(
+        record(9, ids[0], parent="p", hash="h", contributors=tuple((p, 0.02, 1000 + i) for i, p in enumerate(ids))),
+        contributions=tuple(digests), norms=tuple(0.5 for _ in ids),
+    )  # fmt: skip
+    raw = window.encode()
+    assert raw[:4] == b"\x28\xb5\x2f\xfd" and len(raw) < 0.8 * len(window.packed())
+    assert decode_round_record(raw) == window
+    assert decode_round_record(raw[:-3]) is None  # truncated
+    bomb = zstandard.ZstdCompressor(write_content_size=True).compress(b"\x00" * (MAX_RECORD_BYTES + 1))
+    assert len(bomb) < 100 and decode_round_record(bomb) is None
+    unsized = zstandard.ZstdCompressor(write_content_size=False).compress(window.packed())
+    assert decode_round_record(unsized) is None
+
+
 def test_weight_of_names_the_merge_weight_of_a_contributor_or_none() -> None:
     r = record(0, "s", parent=GENESIS, hash="h", contributors=(("a", 0.4, 10), ("b", 0.6, 20)))
     assert r.weight_of("a") == 0.4
@@ -209,7 +234,7 @@ def test_decoding_a_msgpack_value_that_is_not_a_map_yields_none(value: object) -
 
 
 def valid_map() -> dict:
-    return msgpack.unpackb(record(3, "s", parent="p", hash="h").encode(), raw=False)
+    return msgpack.unpackb(record(3, "s", parent="p", hash="h").packed(), raw=False)
 
 
 @pytest.mark.parametrize(
@@ -281,9 +306,10 @@ def test_a_record_with_a_field_of_the_wrong_type_is_not_a_record(field: str, val
 
 def test_oversized_records_are_refused_unread() -> None:
     huge = record(0, "s", parent=GENESIS, hash="h", contributors=tuple((f"p{i}", 0.1, 1) for i in range(6000)))
-    raw = huge.encode()
+    raw = huge.packed()
     assert len(raw) > MAX_RECORD_BYTES
     assert decode_round_record(raw) is None
+    assert decode_round_record(huge.encode()) is None  # compressed under the limit: its map is not
     assert decode_round_record(msgpack.packb({**valid_map(), "holders": ["h"] * 70000})) is None
 
 
