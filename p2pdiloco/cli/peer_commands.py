@@ -137,7 +137,8 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     admission = manifest.admission() if manifest is not None else Admission()
     # A bootstrap node is a DHT node too: it stores only records the run's rules allow.
     rules = bootstrap_rules(peer.run, config.sync.num_fragments if manifest is not None else None, admission)
-    transport = make_transport_for(peer, rules, config.network.transport)
+    # a bootstrap node has a public address (docs/operate.md): it relays for NAT'd peers
+    transport = make_transport_for(peer, rules, config.network.transport, relay_service=True)
 
     async def serve() -> None:
         stop = asyncio.Event()

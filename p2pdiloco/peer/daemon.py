@@ -127,10 +127,11 @@ class PeerDaemon:
 
 
 def make_transport_for(
-    options: PeerConfig, rules: RunRecordRules | None = None, kind: str = "hivemind"
+    options: PeerConfig, rules: RunRecordRules | None = None, kind: str = "hivemind", relay_service: bool = False
 ) -> Transport:
     """The run's transport (`network.transport`, imported lazily) for a peer's `[peer]`
-    settings, whose DHT node stores and believes only records that pass the run's `rules`."""
+    settings, whose DHT node stores and believes only records that pass the run's `rules`;
+    with `relay_service` (a bootstrap node) it relays for peers behind NAT at once."""
     from p2pdiloco.transport import make_transport
     from p2pdiloco.transport.bootstrap import check_announce_maddr
 
@@ -150,6 +151,7 @@ def make_transport_for(
             client_mode=wants_client_mode(options),
             use_relay=options.use_relay,
             use_auto_relay=options.use_auto_relay,
+            relay_service=relay_service,
             identity_path=options.identity_path or None,
             announce_maddrs=list(options.announce_maddrs) or None,
             startup_timeout_s=options.startup_timeout_s,

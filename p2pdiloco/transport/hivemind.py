@@ -70,6 +70,13 @@ class HivemindTransport(NetworkedTransport):
             # a relay slot only helps a peer nobody can dial directly
             use_auto_relay=self.use_auto_relay and self._client_mode,
         )
+        if self.use_relay and self.relay_service and not self._client_mode:
+            # known public (a bootstrap node): serve relay circuits now, not once AutoNAT,
+            # which never counts a private address, has decided
+            options["force_reachability"] = "public"
+        elif self.use_relay and options["use_auto_relay"]:
+            # our dial-back already found nobody can dial us: take a relay slot at once
+            options["force_reachability"] = "private"
         if self.record_rules is not None:
             options["record_validators"] = [RunRecordValidator(self.record_rules)]
         if self.announce_maddrs:

@@ -57,7 +57,9 @@ class NetworkedTransport(TransportBase):
     `max_in_flight` / `max_per_caller`: as for `TransportBase`. `use_relay`: reach peers
     through circuit relays and relay for others once found public; `use_auto_relay`: in
     client mode, take a slot on a relay and announce the relayed address (hivemind's
-    options of the same names; docs/join.md, "NAT and reachability").
+    options of the same names; docs/join.md, "NAT and reachability"); `relay_service`: a
+    node known to be public (a bootstrap node) relays for others at once, without waiting
+    for the daemon's own AutoNAT to call it public.
     A started server-mode peer answers `reach.dial_back` (`dialback.py`).
     """
 
@@ -82,10 +84,12 @@ class NetworkedTransport(TransportBase):
         max_per_caller: int = DEFAULT_MAX_PER_CALLER,
         use_relay: bool = True,
         use_auto_relay: bool = True,
+        relay_service: bool = False,
     ) -> None:
         super().__init__(client_mode, max_in_flight, max_per_caller)
         self.use_relay = use_relay
         self.use_auto_relay = use_auto_relay
+        self.relay_service = relay_service
         self.initial_peers = list(initial_peers)
         self.host = host
         self.port = port

@@ -1,5 +1,6 @@
 """Peers behind a NAT router, in network namespaces: they find out by themselves that nobody
-can dial them, learn as client-mode learners, keep the one global state, and rejoin.
+can dial them, learn as client-mode learners, keep the one global state, and rejoin; and
+a public host reaches one of them through the bootstrap node's relay circuit.
 
 The lab (`netns.NatLab`): a bootstrap node and two public learners on a public LAN, two
 learners behind a router that masquerades their home network and drops connections
@@ -23,12 +24,16 @@ from .netns import ROUTER_WAN_IP, Host, NatLab, launch_in, netns_problem
 from .swarm_util import TINY_RUN, Events, applied, join_args, wait_all
 from .test_swarm import assert_replicas_identical
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(900)
 
 SETS = ["sync.min_quorum=2", "sync.num_fragments=1"]
 READY_S = 240
 ROUND_WAIT_S = 180
 STATUS_S = 120
+RELAY_S = 420
+"""How long the probe tries the relay: a peer behind NAT with one relay candidate takes its
+slot after p2pd's autorelay boot delay (3 minutes: it waits for more candidates)."""
+RELAY_PROBE = Path(__file__).with_name("relay_probe.py")
 
 
 @pytest.fixture
@@ -80,13 +85,15 @@ def heartbeats_seen_from(host: Host, initial: list[str], peer_ids: set[str]) -> 
             return beats
 
 
+def cmdline(pid: int) -> list[str]:
+    with suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    return []
+
+
 def p2pd_flags(log: Events) -> set[str]:
     """The command-line flags of the p2pd daemons of this peer's process group."""
-    flags: set[str] = set()
-    for pid in log.peer.p2pd_pids():
-        with suppress(OSError):
-            flags |= set(Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0"))
-    return flags
+    return {flag for pid in log.peer.p2pd_pids() for flag in cmdline(pid)}
 
 
 def test_peers_behind_nat_become_client_learners_and_keep_one_state(lab, tmp_path) -> None:
@@ -110,6 +117,14 @@ def test_peers_behind_nat_become_client_learners_and_keep_one_state(lab, tmp_pat
         assert ROUTER_WAN_IP in event["reason"] and "NAT" in event["reason"], event
         assert "client-mode learner" in Path(log.peer.stderr_path).read_text()
 
+    # a public host reaches a NAT'd peer through the bootstrap node's relay, and only so
+    # (the router drops what comes in; the probe dials the circuit address alone): runs
+    # beside the rest, as the peer takes its slot only after p2pd's autorelay boot delay
+    probe = subprocess.Popen(
+        lab.public[1].argv([sys.executable, str(RELAY_PROBE), lab.public[1].ip, initial[0], nat[1].peer.peer_id, str(RELAY_S)]),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
     # 2. they contribute, and every replica applies the same rounds
     for log in nat:
         log.wait(merged_contribution(), ROUND_WAIT_S)
@@ -121,11 +136,13 @@ def test_peers_behind_nat_become_client_learners_and_keep_one_state(lab, tmp_pat
     beats = heartbeats_seen_from(lab.public[1], initial, {log.peer.peer_id for log in public + nat})
     assert all(beats[p]["client_mode"] and not beats[p]["maddrs"] for p in nat_ids), beats
     assert not any(beats[log.peer.peer_id]["client_mode"] for log in public)
-    # their daemons run as DHT clients that take a relay slot; the public ones serve
+    # their daemons run as DHT clients that take a relay slot at once (our dial-back said
+    # private); the public ones serve; the bootstrap node relays (known public)
     for log in nat:
-        assert {"-dhtClient=1", "-relay=1", "-autoRelay=1"} <= p2pd_flags(log)
+        assert {"-dhtClient=1", "-relay=1", "-autoRelay=1", "-forceReachabilityPrivate=1"} <= p2pd_flags(log)
     for log in public:
         assert {"-dhtServer=1", "-relay=1", "-autoRelay=0"} <= p2pd_flags(log)
+    assert "-forceReachabilityPublic=1" in {f for pid in boot.p2pd_pids() for f in cmdline(pid)}
     for log in nat:
         assert not log.of("round_closed"), "a peer behind NAT synchronized a round"
     for log in public:
@@ -145,3 +162,13 @@ def test_peers_behind_nat_become_client_learners_and_keep_one_state(lab, tmp_pat
     wait_all(survivors, applied(top), ROUND_WAIT_S)
     assert_replicas_identical(survivors, min_common=1)
     assert_replicas_identical([*public, nat[0]], min_common=2)  # its life before the kill
+
+    # 5. the relay: reached through the bootstrap node's circuit
+    try:
+        out, err = probe.communicate(timeout=RELAY_S + 60)
+    finally:
+        probe.kill()
+    lines = out.strip().splitlines()
+    assert lines, err[-2000:]
+    reached = json.loads(lines[-1])
+    assert reached["reached"], reached
