@@ -49,6 +49,12 @@ QUICK_SECONDS = {10: 210.0, 100: 90.0, 1000: 60.0}
 """Measured virtual seconds per N in --quick (after `warmup_s`; N = 1,000 over a short
 span: it costs real minutes)."""
 AGREEMENT_ROUNDS = 12
+AGREEMENT_BUSY_CORES = 1.2
+"""Cores the real swarm's training may keep busy in all (`train.compute_share` = this / N):
+the rest merges, applies and serves at once, as on volunteers' own machines. Eight
+learners training flat out on two cores made the real run CPU-bound (its merges and
+applies queued behind training, which the simulator charges no time for): a third fewer
+rounds per minute than simulated, records bytes 43-62 % off."""
 EPOCH_ROUNDS = 1
 """Rounds per records key of the `after` design: one key per round. With 8, every DHT
 read brought the epoch's records so far (3.4 on average, ~7.6 kB each) for the one or two
@@ -198,13 +204,16 @@ def aggregation(
 
 
 def real_swarm(n: int, rounds: int) -> dict[str, Any]:
-    """A bootstrap node and `n` real peers (embedded default, tiny preset) on 127.0.0.1
-    until `rounds` rounds; each peer's summary (traffic counters, steps, step time)."""
+    """A bootstrap node and `n` real peers (embedded default, tiny preset, training at most
+    `AGREEMENT_BUSY_CORES` cores in all) on 127.0.0.1 until `rounds` rounds; each peer's
+    summary (traffic counters, steps, step time)."""
     from p2pdiloco.cli.launcher import Child
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     argv = [sys.executable, "-m", "p2pdiloco"]
+    share = min(1.0, AGREEMENT_BUSY_CORES / n)
     sets = ["--set", "model.preset='tiny'", "--set", "sync.inner_steps=20"]
+    peer_sets = [*sets, "--set", f"train.compute_share={share:.3f}"]
     boot = Child.spawn([*argv, "bootstrap", "--events", *sets], "boot", env=env)
     peers: list[Any] = []
     try:
@@ -230,7 +239,7 @@ def real_swarm(n: int, rounds: int) -> dict[str, Any]:
                     "0",
                     "--initial-peers",
                     *maddrs,
-                    *sets,
+                    *peer_sets,
                 ],
                 f"peer{i}",
                 env=env,
