@@ -333,7 +333,7 @@ def test_loopback_listener_with_remote_initial_peers_is_warned() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("hivemind") is None, reason="hivemind not installed")
-def test_relay_options_reach_hivemind_and_a_relay_slot_only_in_client_mode() -> None:
+def test_relay_options_reach_hivemind_and_a_relay_slot_only_in_client_mode_and_relaying_only_when_known_public() -> None:
     # in a child: hivemind and py-libp2p cannot share this process (docs/transport.md)
     code = (
         "import json\n"
@@ -341,9 +341,12 @@ def test_relay_options_reach_hivemind_and_a_relay_slot_only_in_client_mode() -> 
         "seen = {}\n"
         "for client in (False, True):\n"
         "    for relay in (False, True):\n"
-        "        t = make_transport('hivemind', initial_peers=[], client_mode=client, use_relay=relay)\n"
-        "        o = t._dht_options(5.0)\n"
-        "        seen[f'{client}/{relay}'] = [o['use_relay'], o['use_auto_relay'], o['client_mode']]\n"
+        "        for service in (False, True):\n"
+        "            t = make_transport('hivemind', initial_peers=[], client_mode=client, use_relay=relay,\n"
+        "                               relay_service=service)\n"
+        "            o = t._dht_options(5.0)\n"
+        "            seen[f'{client}/{relay}/{service}'] = [\n"
+        "                o['use_relay'], o['use_auto_relay'], o['client_mode'], o.get('force_reachability')]\n"
         "print(json.dumps(seen))\n"
     )
     root = Path(__file__).resolve().parent.parent
@@ -352,9 +355,14 @@ def test_relay_options_reach_hivemind_and_a_relay_slot_only_in_client_mode() -> 
         env={**os.environ, "PYTHONPATH": str(root)},
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
+    # a bootstrap node (relay_service) relays at once; a client takes its relay slot at once
     assert json.loads(out.stdout.splitlines()[-1]) == {
-        "False/False": [False, False, False],
-        "False/True": [True, False, False],
-        "True/False": [False, True, True],
-        "True/True": [True, True, True],
+        "False/False/False": [False, False, False, None],
+        "False/False/True": [False, False, False, None],
+        "False/True/False": [True, False, False, None],
+        "False/True/True": [True, False, False, "public"],
+        "True/False/False": [False, True, True, None],
+        "True/False/True": [False, True, True, None],
+        "True/True/False": [True, True, True, "private"],
+        "True/True/True": [True, True, True, "private"],
     }
