@@ -233,11 +233,12 @@ def decode_round_record(raw: bytes) -> RoundRecord | None:
     try:
         if not isinstance(raw, bytes | bytearray) or len(raw) > MAX_RECORD_BYTES:
             return None
-        if bytes(raw[:4]) == _ZSTD_MAGIC:
-            declared = zstandard.frame_content_size(bytes(raw))
+        if raw[:4] == _ZSTD_MAGIC:
+            frame = bytes(raw)
+            declared = zstandard.frame_content_size(frame)
             if not 0 <= declared <= MAX_RECORD_BYTES:  # unknown (-1) or too large: not a record
                 return None
-            raw = zstandard.ZstdDecompressor().decompress(bytes(raw), max_output_size=MAX_RECORD_BYTES)
+            raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=MAX_RECORD_BYTES)
         data: Any = msgpack.unpackb(
             raw, raw=False, max_bin_len=1 << 16, max_str_len=1 << 16, max_array_len=1 << 16
         )

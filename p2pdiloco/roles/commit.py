@@ -346,21 +346,25 @@ class Committer:
         learner goes to a peer whose record counts at once (`Synchronizer.rpc_contribute`)
         instead of waiting out a window whose commit `publish` refuses (`NOT_PROVEN`)."""
         parent = self.replicas.parent_hash(fragment, round_id)
-        if not self.replicas.open_run or parent is None:
+        if parent is None:
             return False
         probe = RoundRecord(
             round=round_id, fragment=fragment, synchronizer=self.peer_id, hash="", parent=parent, closed_at=closes_by
         )
-        return skipped_on_chain(self.replicas.chains[fragment].values(), probe, self.replicas.void_after_s)
+        return self._skipped(probe)
+
+    def _skipped(self, record: RoundRecord) -> bool:
+        """Whether an open run's canonical rules would skip `record` on top of this
+        replica's chain of its fragment (`rounds.skipped_on_chain`)."""
+        chain = self.replicas.chains[record.fragment].values()
+        return self.replicas.open_run and skipped_on_chain(chain, record, self.replicas.void_after_s)
 
     async def publish(self, window: Window, merged: Merged, record: RoundRecord) -> str:
         """Step 3, the commit point: "" once the record is stored, else why not
         (`COMMITTED_ELSEWHERE`, `NOT_PROVEN` or `NOT_STORED`)."""
         if await self.committed_elsewhere(window.round, window.fragment):
             return COMMITTED_ELSEWHERE
-        if self.replicas.open_run and skipped_on_chain(
-            self.replicas.chains[window.fragment].values(), record, self.replicas.void_after_s
-        ):
+        if self._skipped(record):
             return NOT_PROVEN
         # kept before the record is stored: a peer that reads the record at once may audit
         # it at once (an out-of-line update it cannot verify is held, its synchronizer
