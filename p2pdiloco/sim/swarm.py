@@ -277,6 +277,11 @@ class SimPeer:
     def peer_id(self) -> str:
         return self.transport.peer_id
 
+    @property
+    def decided_tokens(self) -> int:
+        """Tokens computed whose delta was answered: neither in flight nor folded back."""
+        return self.tokens_computed - sum(self.pending_tokens.values()) - self.in_flight_tokens
+
 
 @dataclass(frozen=True)
 class PresetBytes:
@@ -338,9 +343,11 @@ class SwarmFigures:
     rounds: int
     goodput: float
     stalls: int
-    goodput_at_stop: float = math.nan
-    """Tokens merged / computed when the learners stop, before the drain (what a real
-    peer's summary shows: `steps_contributed / steps` at exit)."""
+    goodput_decided: float = math.nan
+    """Tokens merged / tokens whose fate is decided when the learners stop, before the
+    drain: a delta in flight or folded back is neither (what the agreement compares with
+    a real peer's summary at exit, `steps_contributed` over its steps less the local and
+    undecided ones)."""
     forks: int = 0
     """(round, fragment) pairs two peers applied with different hashes (must stay 0),
     over the whole run: the joins and the warm-up included."""
@@ -578,13 +585,7 @@ class Swarm:
         payload_base = dict(self.network.payload_moved)
         peer_base = dict(self.network.peer_bytes)
         # tokens carried into the span (folded, not merged yet) are work it may merge too
-        tokens_base = {
-            p.peer_id: (
-                p.tokens_computed - sum(p.pending_tokens.values()) - p.in_flight_tokens,
-                p.tokens_merged,
-            )
-            for p in self.peers
-        }
+        tokens_base = {p.peer_id: (p.decided_tokens, p.tokens_merged) for p in self.peers}
         leavers = sorted(
             (p for p in self.peers if p.link.session_s < seconds), key=lambda p: p.link.session_s
         )
@@ -601,7 +602,7 @@ class Swarm:
         moved = {p.peer_id: dict(p.transport.traffic.bytes) for p in self.peers}
         key_end, peer_end = dict(self.network.key_bytes), dict(self.network.peer_bytes)
         self._payload_span = (payload_base, dict(self.network.payload_moved))
-        at_stop = {p.peer_id: (p.tokens_computed, p.tokens_merged) for p in self.peers}
+        at_stop = {p.peer_id: (p.decided_tokens, p.tokens_merged) for p in self.peers}
         # goodput: the learners stop computing; what they shipped gets a drain to merge
         for peer in self.peers:
             for task in peer.tasks:
@@ -613,7 +614,7 @@ class Swarm:
         )
         computed = sum(at_stop[p][0] - tokens_base.get(p, (0, 0))[0] for p in at_stop)
         merged = sum(at_stop[p][1] - tokens_base.get(p, (0, 0))[1] for p in at_stop)
-        figures.goodput_at_stop = merged / computed if computed else math.nan
+        figures.goodput_decided = merged / computed if computed > 0 else math.nan
         return figures
 
     def _figures(
