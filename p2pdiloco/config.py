@@ -202,6 +202,14 @@ class OuterConfig:
 MAX_FRAGMENTS = 64
 """The most fragments a run may have: a bootstrap node of an open run, which does not know
 the run's count, stores the round records of this many (record_rules)."""
+MAX_WINDOW_DELTAS = 256
+"""The most deltas one (round, fragment) window takes: its record names each (peer id,
+weight, tokens, contribution digest, norm: ~150 bytes, incompressible), and a record
+must fit `rounds.MAX_RECORD_BYTES` (64 KiB) or no replica reads it. A full window closes
+at once; later deltas get `late` and go to the next round (test_rounds.py checks that
+the largest record fits)."""
+MAX_COMMIT_HOLDERS = 32
+"""The most holders a record may name beyond its synchronizer (the same budget)."""
 
 
 @dataclass(frozen=True)
@@ -256,6 +264,11 @@ class SyncConfig:
     def __post_init__(self) -> None:
         # in this order: the cross-field checks divide by (or compare with) a checked field
         _at_least(self, "sync.commit_holders", 0)
+        _check(
+            self.commit_holders <= MAX_COMMIT_HOLDERS,
+            "sync.commit_holders",
+            f"must be at most {MAX_COMMIT_HOLDERS}, got {self.commit_holders}",
+        )
         _at_least(self, "sync.inner_steps", 1)
         _check(
             1 <= self.num_fragments <= self.inner_steps,
@@ -279,6 +292,11 @@ class SyncConfig:
             f"must be a multiple of sync.warm_inner_steps={self.warm_inner_steps}, got {self.warm_steps}",
         )
         _at_least(self, "sync.min_quorum", 1)
+        _check(
+            self.min_quorum <= MAX_WINDOW_DELTAS,
+            "sync.min_quorum",
+            f"must be at most {MAX_WINDOW_DELTAS} (the deltas a window takes), got {self.min_quorum}",
+        )
         _within(self, "sync.min_token_fraction", "[0, 1]")
         _at_least(self, "sync.overlap_steps", 0)
         _within(self, "sync.grace_gamma", "[0, 1)")

@@ -50,6 +50,8 @@ def test_file_then_overrides(tmp_path) -> None:
     ("override", "message"),
     [
         ("sync.min_quorum=0", "sync.min_quorum must be >= 1, got 0"),
+        ("sync.min_quorum=257", "sync.min_quorum must be at most 256 (the deltas a window takes)"),
+        ("sync.commit_holders=33", "sync.commit_holders must be at most 32, got 33"),
         ("outer.merge='median'", "outer.merge must be one of"),
         ("sync.bogus=1", "unknown key sync.bogus"),
         ("bogus.key=1", "unknown config section [bogus]"),

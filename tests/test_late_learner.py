@@ -42,7 +42,9 @@ LIMITS = wire.WireLimits()
 class Peer:
     """A synchronizer and a learner link on one transport, state and view of everyone."""
 
-    def __init__(self, network: MemoryNetwork, peer_id: str, everyone: list[str]) -> None:
+    def __init__(
+        self, network: MemoryNetwork, peer_id: str, everyone: list[str], config: RunConfig = CONFIG
+    ) -> None:
         self.transport = MemoryTransport(network, peer_id)
         self.state = GlobalState(
             {"w": torch.zeros(4, 4), "b": torch.zeros(4)}, [["w", "b"]], CONFIG.outer
@@ -55,7 +57,7 @@ class Peer:
         self.sync = Synchronizer(
             self.transport,
             RUN,
-            CONFIG,
+            config,
             self.state,
             lambda: view,
             LIMITS,
@@ -63,7 +65,7 @@ class Peer:
             self.worker,
         )
         self.link = LearnerLink(
-            self.transport, RUN, CONFIG.sync, self.replicas, lambda: view, LIMITS
+            self.transport, RUN, config.sync, self.replicas, lambda: view, LIMITS
         )
 
     @property
@@ -77,17 +79,20 @@ class Peer:
             run=RUN,
             round=round_id,
             fragment=0,
-            meta={"peer": self.peer_id, "base_round": round_id, "tokens": 64, "steps": 2},
+            meta={
+                "peer": self.peer_id, "base_round": round_id, "tokens": 64, "steps": 2,
+                "step_time_s": 10.0,
+            },  # fmt: skip
             tensors=compress.encode_tensors(compress.make_codec("fp32"), delta),
         )
         return wire.encode_message(message)
 
 
-async def three_peers() -> tuple[Peer, Peer, Peer]:
+async def three_peers(config: RunConfig = CONFIG) -> tuple[Peer, Peer, Peer]:
     """(top, second, third) in the rendezvous order of (round 0, fragment 0)."""
     network = MemoryNetwork()
     ids = [network.new_peer_id() for _ in range(3)]
-    peers = [Peer(network, p, ids) for p in synchronizer_order(RUN, 0, 0, ids)]
+    peers = [Peer(network, p, ids, config) for p in synchronizer_order(RUN, 0, 0, ids)]
     for peer in peers:
         await peer.transport.start()
         await peer.replicas.start()
@@ -169,6 +174,34 @@ def test_a_delta_that_arrives_while_its_window_fails_to_commit_is_not_answered_l
         # the round is still open: folded and sent again, not held back as closed
         assert reply.meta["status"] == messages.NO_QUORUM
         assert top.state.round_of(0) == 0
+
+    run(scenario())
+
+
+def test_a_full_window_closes_at_once_and_a_delta_beyond_it_is_answered_with_the_record() -> None:
+    """A window takes at most `max_arrivals` deltas (MAX_WINDOW_DELTAS: what a record can
+    name). The top's window is made to hold two while three learners are live and the
+    grace would be minutes long: the second delta closes it at once, and the third,
+    refused by the full window before or while it commits, is answered `late` with the
+    record (the learner resends to the next round; nothing is lost)."""
+    patient = replace(CONFIG, sync={"max_grace_s": 600.0, "round_deadline_s": 900.0})
+
+    async def scenario() -> None:
+        top, second, third = await three_peers(patient)
+        open_window = top.sync._window
+
+        def small_window(round_id: int, fragment: int):
+            window = open_window(round_id, fragment)
+            window.machine.max_arrivals = 2
+            return window
+
+        top.sync._window = small_window
+        statuses, reply = await late_reply(top, second, third, HeldCommit(top))
+        assert statuses == [messages.MERGED, messages.MERGED]
+        assert top.sync.windows == {}
+        record = top.replicas.committed(0, 0)
+        assert record is not None and len(record.contributors) == 2
+        assert reply.meta["status"] == messages.LATE and reply.meta.get("record") == record.sealed
 
     run(scenario())
 

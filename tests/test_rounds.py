@@ -129,6 +129,38 @@ def test_a_record_naming_a_window_of_contributors_travels_compressed_and_a_bomb_
     assert decode_round_record(unsized) is None
 
 
+def test_the_record_of_a_full_window_fits_what_a_record_may_hold() -> None:
+    """A window takes MAX_WINDOW_DELTAS deltas and a record names MAX_COMMIT_HOLDERS
+    holders: the largest record a synchronizer can write (random ids and digests, which do
+    not compress, the largest numbers, four certificates) still fits MAX_RECORD_BYTES,
+    decodes, and opens once signed, so no window's round is unpublishable."""
+    import secrets
+
+    from p2pdiloco.config import MAX_COMMIT_HOLDERS, MAX_WINDOW_DELTAS
+
+    ids = [Identity.generate() for _ in range(4)]
+    base58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+    peer = [
+        "12D3KooW" + "".join(secrets.choice(base58) for _ in range(44))
+        for _ in range(MAX_WINDOW_DELTAS + MAX_COMMIT_HOLDERS)
+    ]
+    digest = [secrets.token_hex(32) for _ in range(MAX_WINDOW_DELTAS)]
+    full = RoundRecord(
+        round=2**62, fragment=63, synchronizer=ids[0].peer_id, hash=secrets.token_hex(32),
+        parent=secrets.token_hex(32), digest=secrets.token_hex(32),
+        holders=tuple(peer[MAX_WINDOW_DELTAS:]),
+        contributors=tuple((p, 1 / 3, 2**62) for p in peer[:MAX_WINDOW_DELTAS - 1]),
+        contributions=tuple(digest[:-1]), norms=tuple(math.pi for _ in digest[:-1]),
+        refused=(digest[-1],), history_from=2**62, grace_s=math.pi, closed_at=math.e * 1e9,
+        certificates=tuple(secrets.token_bytes(1024) for _ in range(4)),
+        supersedes=secrets.token_hex(32),
+    )  # fmt: skip
+    raw = full.encode()
+    assert len(raw) <= MAX_RECORD_BYTES, f"{len(raw)} bytes"
+    assert decode_round_record(raw) == full
+    assert open_record("run", seal_record(ids[0], "run", full)) == full
+
+
 def test_weight_of_names_the_merge_weight_of_a_contributor_or_none() -> None:
     r = record(0, "s", parent=GENESIS, hash="h", contributors=(("a", 0.4, 10), ("b", 0.6, 20)))
     assert r.weight_of("a") == 0.4

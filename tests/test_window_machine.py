@@ -176,6 +176,27 @@ def test_a_delta_arriving_during_the_merge_is_refused_not_dropped() -> None:
     assert set(m.arrivals) == {"a"}
 
 
+def test_a_full_window_takes_no_more_and_closes_before_its_grace() -> None:
+    """The `max_arrivals`-th delta closes the window to further deltas, and the next
+    action closes it though learners are still expected and the grace has not passed."""
+    m = machine(min_quorum=1, max_arrivals=3)
+    expected = {"a", "b", "c", "d", "e"}
+    assert m.accept("a", 100, 10, 100.0, OPENED) is None
+    assert isinstance(act(m, OPENED, expected=expected, step_time_s=100.0), Wait)
+    assert m.grace_s == MAX_GRACE_S
+    assert m.accept("b", 100, 10, 100.0, OPENED + 0.1) is None and not m.closing
+    assert m.accept("c", 100, 10, 100.0, OPENED + 0.2) is None and m.closing and m.full
+    assert m.accept("d", 100, 10, 100.0, OPENED + 0.3) == "window is closing"
+    assert act(m, OPENED + 0.3, expected=expected, step_time_s=100.0) == Close(MAX_GRACE_S)
+    assert set(m.arrivals) == {"a", "b", "c"}
+
+
+def test_the_default_window_size_is_what_a_record_can_name() -> None:
+    from p2pdiloco.config import MAX_WINDOW_DELTAS
+
+    assert machine().max_arrivals == MAX_WINDOW_DELTAS
+
+
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, -1.0])
 def test_a_non_finite_or_negative_claimed_step_time_is_taken_as_zero(bad: float) -> None:
     m = machine(min_quorum=2)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from p2pdiloco.config import MAX_WINDOW_DELTAS
+
 
 def quorum_met(
     num_arrived: int,
@@ -172,7 +174,10 @@ class WindowMachine:
 
     Pure: time comes in as `now`, the live membership as arguments; the networked
     synchronizer owns the clock, the tensors and the replies. Once `closing` is set no
-    delta is accepted (it would otherwise be lost in a merge that already started).
+    delta is accepted (it would otherwise be lost in a merge that already started). The
+    `max_arrivals`-th delta sets it: a full window closes as soon as it has quorum, since
+    its record could not name one more (free identities flooding one window cannot make
+    its round unpublishable).
     """
 
     round: int
@@ -185,6 +190,11 @@ class WindowMachine:
     quorum_at: float | None = None
     grace_s: float = 0.0
     closing: bool = False
+    max_arrivals: int = MAX_WINDOW_DELTAS
+
+    @property
+    def full(self) -> bool:
+        return len(self.arrivals) >= self.max_arrivals
 
     def accept(self, peer: str, tokens: int, steps: int, step_time_s: float, now: float) -> str | None:
         """Admit one delta; returns the reason it is refused, or None."""
@@ -198,6 +208,7 @@ class WindowMachine:
         if not _finite(step_time_s) or step_time_s < 0:
             step_time_s = 0.0
         self.arrivals[peer] = Arrival(tokens, steps, step_time_s, now)
+        self.closing = self.full
         return None
 
     def next_action(
@@ -244,7 +255,7 @@ class WindowMachine:
             grace_s=self.grace_s,
             num_arrived=len(self.arrivals),
             num_expected=len(expected),
-        ):
+        ) or self.full:  # a full window gets no more (min_quorum <= its size: config)
             self.closing = True
             return Close(self.grace_s)
         if self.quorum_at is None:

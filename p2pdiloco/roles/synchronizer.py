@@ -11,6 +11,7 @@ peer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -281,8 +282,8 @@ class Synchronizer:
         not stored), and the learner's replica, which had nothing to follow, stayed at the
         round until a round deadline passed, while the rest of the swarm went on.
         """
-        if window.closing is not None:
-            await asyncio.wait({window.closing}, timeout=self.config.sync.round_deadline_s * 2)
+        with contextlib.suppress(TimeoutError):  # full: its task may not have run the close yet
+            await asyncio.wait_for(window.ended.wait(), self.config.sync.round_deadline_s * 2)
         committed = self.replicas.committed(window.fragment, window.round) is not None
         if not committed and self.state.round_of(window.fragment) == window.round:
             return self._reply(window, messages.NO_QUORUM, reason="window closed without a commit")
@@ -348,6 +349,8 @@ class Synchronizer:
         except Exception as exc:  # noqa: BLE001 - a window fault is a skipped round, not a crash
             log.exception("window failed round=%d fragment=%d", machine.round, machine.fragment)
             self._finish(window, self._reply(window, messages.NO_QUORUM, reason=f"synchronizer fault: {exc}"))
+        finally:
+            window.ended.set()
 
     def _move(self, window: Window, moved_to: str) -> None:
         """Close a window without quorum, telling its learners where to resend."""

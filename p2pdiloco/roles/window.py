@@ -30,6 +30,9 @@ class Window:
     closing: asyncio.Task | None = None
     """The task merging and committing it once the machine closed it (a leaving peer
     lets it finish)."""
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the window's task is over (committed, moved, expired or failed): what a
+    delta refused by a closing window waits for before it is answered."""
 
     @property
     def key(self) -> tuple[int, int]:
