@@ -284,8 +284,9 @@ def decided_goodput(summaries: list[dict[str, Any]]) -> float:
     simulator, which drains, would count the first as merged; both sides leave them out."""
     merged = decided = 0
     for s in summaries:
-        fragments = max(len(s["local_steps"]), 1)
-        undecided = sum(s["local_steps"]) + sum(s["undecided_steps"].values())
+        local = s.get("local_steps") or []  # a run saved before stop 39 lacks both
+        fragments = max(len(local), 1)
+        undecided = sum(local) + sum((s.get("undecided_steps") or {}).values())
         merged += s["steps_contributed"]
         decided += s["steps"] * fragments - undecided
     return merged / decided if decided > 0 else math.nan

@@ -175,9 +175,9 @@ class WindowMachine:
     Pure: time comes in as `now`, the live membership as arguments; the networked
     synchronizer owns the clock, the tensors and the replies. Once `closing` is set no
     delta is accepted (it would otherwise be lost in a merge that already started). The
-    `max_arrivals`-th delta sets it: a full window closes as soon as it has quorum, since
-    its record could not name one more (free identities flooding one window cannot make
-    its round unpublishable).
+    `max_arrivals`-th delta sets it and the window closes at once, since its record
+    could not name one more (free identities flooding one window cannot make its round
+    unpublishable; `sync.min_quorum` is at most that size, so a full window has quorum).
     """
 
     round: int
