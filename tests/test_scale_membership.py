@@ -175,6 +175,61 @@ def test_a_newcomer_sees_every_shard_at_once_and_is_elected_only_once_everyone_h
     asyncio.run(main())
 
 
+def test_a_sweep_cut_off_by_its_deadline_goes_on_with_the_shards_it_had_not_read() -> None:
+    """8 shards, 8 peers: a newcomer's first beat reads every shard, but the reads of
+    shards 4-7 hang and the beat's deadline cuts it off. What arrived is in its view at
+    once; its next beat reads shards 4-7 only (not all 8 again), and the beat after that
+    starts the rotation: one shard."""
+    now = [NOW]
+
+    class Hanging(MemoryTransport):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.hang: set[str] = set()
+            self.released = asyncio.Event()
+            self.reads: list[str] = []
+
+        async def get(self, key: str, *args, **kwargs):
+            self.reads.append(key)
+            if key in self.hang:
+                await self.released.wait()
+            return await super().get(key, *args, **kwargs)
+
+    async def main() -> None:
+        network = MemoryNetwork(clock=lambda: now[0])
+        rules = RunRecordRules(RUN, 1)
+        others = []
+        for _ in range(8):
+            transport = MemoryTransport(network, record_rules=rules)
+            await transport.start()
+            beat = Heartbeat(peer_id=transport.peer_id, status="training")
+            others.append(Membership(transport, RUN, HEARTBEAT_S, "", lambda b=beat: b, lambda e: None, shards=8))
+            await others[-1].transport.store(
+                member_shard_key(RUN, member_shard(transport.peer_id, 8), 8), transport.peer_id,
+                others[-1].sealed_beat()[0], NOW + 60,
+            )  # fmt: skip
+        keys = [member_shard_key(RUN, s, 8) for s in range(8)]
+        transport = Hanging(network, record_rules=rules)
+        await transport.start()
+        transport.hang = set(keys[4:])
+        beat = Heartbeat(peer_id=transport.peer_id, status="training")
+        newcomer = Membership(transport, RUN, HEARTBEAT_S, "", lambda: beat, lambda e: None, shards=8)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(newcomer.beat(), 5.0)
+        expected = {o.transport.peer_id for o in others if member_shard(o.transport.peer_id, 8) < 4}
+        assert set(newcomer.view()) - {transport.peer_id} == expected
+        transport.released.set()
+        transport.reads.clear()
+        await newcomer.beat()
+        assert sorted(transport.reads) == sorted(keys[4:])
+        assert set(newcomer.view()) == {transport.peer_id} | {o.transport.peer_id for o in others}
+        transport.reads.clear()
+        await newcomer.beat()
+        assert len(transport.reads) == 1
+
+    asyncio.run(main())
+
+
 def test_records_in_epochs_keep_one_chain_across_epoch_boundaries() -> None:
     """Real roles (the simulator's peers) on records split into epochs of 2 rounds and
     membership in 2 shards: rounds go on past several epochs, one hash per round."""
