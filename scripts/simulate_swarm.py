@@ -280,8 +280,9 @@ def real_figures(summaries: list[dict[str, Any]]) -> dict[str, float]:
 def decided_goodput(summaries: list[dict[str, Any]]) -> float:
     """Steps merged / steps whose fate is decided, over the real peers (fragment-steps: a
     step counts once per fragment). A peer exits at `--max-rounds` with a delta in flight
-    and the steps since its last ship still local: neither is merged nor lost yet, and the
-    simulator, which drains, would count the first as merged; both sides leave them out."""
+    and the steps since its last ship still local: neither is merged nor lost yet. The
+    simulator's `goodput_decided` leaves out its in-flight and folded-back deltas the
+    same way."""
     merged = decided = 0
     for s in summaries:
         local = s.get("local_steps") or []  # a run saved before stop 39 lacks both
