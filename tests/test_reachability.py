@@ -39,6 +39,7 @@ from p2pdiloco.transport.dialback import (
     dialable,
     encode_answer,
     encode_request,
+    libp2p_public,
     serve_dial_back,
 )
 from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
@@ -366,3 +367,27 @@ def test_relay_options_reach_hivemind_and_a_relay_slot_only_in_client_mode_and_r
         "True/True/False": [True, True, True, "private"],
         "True/True/True": [True, True, True, "private"],
     }
+
+
+@pytest.mark.parametrize(
+    ("maddr", "public"),
+    [
+        ("/ip4/8.8.8.8/tcp/4001/p2p/12D3KooWx", True),
+        ("/dns4/boot.example.org/tcp/4001", True),
+        ("/ip6/2a00:1450::1/tcp/4001", True),
+        ("/ip4/192.0.0.74/tcp/4001", True),  # the NAT lab's public LAN: public to go-libp2p
+        ("/ip4/192.0.0.10/tcp/4001", False),  # 192.0.0.0/26: unroutable
+        ("/ip4/127.0.0.1/tcp/4001", False),
+        ("/ip4/10.1.2.3/tcp/4001", False),
+        ("/ip4/100.64.0.1/tcp/4001", False),  # carrier-grade NAT
+        ("/ip4/198.18.0.1/tcp/4001", False),
+        ("/ip6/::1/tcp/4001", False),
+        ("/ip6/fd00::1/tcp/4001", False),
+        ("/memory/peer", False),
+        ("garbage", False),
+    ],
+)
+def test_which_addresses_go_libp2p_counts_public(maddr: str, public: bool) -> None:
+    """p2pd announces a relayed address only through a relay it counts public: the relay
+    slot watch reads announced circuits only when an initial peer is one."""
+    assert libp2p_public(maddr) is public

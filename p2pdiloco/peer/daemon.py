@@ -17,6 +17,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from p2pdiloco.config import PeerConfig, RunConfig
 from p2pdiloco.errors import NetworkSetupError
@@ -27,6 +28,7 @@ from p2pdiloco.peer.clock import check_clock_at_join
 from p2pdiloco.peer.joined import JoinedPeer, run_on
 from p2pdiloco.peer.metrics import MetricsServer, PeerMetrics, Totals
 from p2pdiloco.peer.reachability import ASK_S, settle_reachability, wants_client_mode
+from p2pdiloco.peer.relay_slot import watch_relay_slot
 from p2pdiloco.training.ranks import follow_lead, join_ranks
 from p2pdiloco.transport.base import Transport
 from p2pdiloco.trust.admission import Admission
@@ -68,6 +70,8 @@ class PeerDaemon:
         self._loop_thread = threading.Thread(target=self.loop.run_forever, name="p2pdiloco-net", daemon=True)
         self.peer: JoinedPeer | None = None
         """The joined peer, once the transport is up (its roles need the peer id)."""
+        self._relay_watch: Future[None] | None = None
+        """`peer.relay_slot.watch_relay_slot`, for a client-mode peer."""
 
     def _on_loop(self, coro, timeout_s: float):
         return run_on(self.loop, coro, timeout_s)
@@ -90,6 +94,10 @@ class PeerDaemon:
                 ASK_S + self.options.startup_timeout_s + 30,
             )
             self.options = self.config.peer
+            if self.options.client_mode:  # reached only through a relay: watch the slot
+                self._relay_watch = asyncio.run_coroutine_threadsafe(
+                    watch_relay_slot(self.transport, self.emit, self._on_relay_failure), self.loop
+                )
             self.peer = JoinedPeer(
                 self.config, self.transport, self.loop, self.emit, ranks,
                 self.admission, self.certificates, self.on_progress,
@@ -101,6 +109,10 @@ class PeerDaemon:
     def stop(self) -> None:
         """Ask the peer to leave (safe from signal handlers and other threads)."""
         self.stop_event.set()
+
+    def _on_relay_failure(self, why: str) -> None:
+        log.error("%s; the peer stops (start it again)", why)
+        self.stop()
 
     def totals(self) -> Totals | None:
         """The running totals the metrics export (None until the peer joined)."""
@@ -121,6 +133,8 @@ class PeerDaemon:
         self.emit({"event": "stopped"})
 
     async def _leave(self) -> None:
+        if self._relay_watch is not None:
+            self._relay_watch.cancel()
         if self.peer is not None:
             await self.peer.leave()
         await self.transport.shutdown()

@@ -230,6 +230,20 @@ class Transport(ABC):
         identity and the registered handlers; False when this transport cannot switch."""
         return False
 
+    # ---- relay slot (peer/relay_slot.py) ---------------------------------------------
+
+    async def relay_addresses(self) -> list[str] | None:
+        """The relayed (`/p2p-circuit`) addresses this peer announces now: [] while it
+        holds no relay slot, None when this transport takes no slot or cannot tell.
+        Never raises a TransportError."""
+        return None
+
+    async def renew(self) -> bool:
+        """Start the network side again in the same mode, keeping the identity and the
+        registered handlers (calls fail with `TransportClosed` meanwhile): what a peer
+        does when its daemon stays stuck. False when this transport cannot."""
+        return False
+
 
 def check_response_size(response: bytes, max_response: int) -> bytes:
     """`response` as bytes, or ResponseTooLarge if it is over `max_response` bytes."""

@@ -118,6 +118,32 @@ def direct_host(maddr: str) -> str | None:
     return str(ip)
 
 
+LIBP2P_NOT_PUBLIC = tuple(
+    ipaddress.ip_network(n)
+    for n in (
+        "127.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "172.16.0.0/12", "192.168.0.0/16",
+        "169.254.0.0/16", "0.0.0.0/8", "192.0.0.0/26", "192.0.2.0/24", "192.88.99.0/24",
+        "198.18.0.0/15", "198.51.100.0/24", "203.0.113.0/24", "224.0.0.0/4", "240.0.0.0/4",
+        "255.255.255.255/32", "::1/128", "fc00::/7", "fe80::/10", "ff00::/8", "2001:db8::/32",
+    )
+)  # fmt: skip
+"""go-multiaddr's private and unroutable ranges (`manet.IsPublicAddr` is false in them)."""
+
+
+def libp2p_public(maddr: str) -> bool:
+    """Whether go-libp2p counts `maddr` public: a DNS name, or an IP outside its private
+    and unroutable ranges. p2pd's autorelay announces relayed addresses only through
+    relays it counts public, and its AutoNAT calls a host public only on such addresses."""
+    parts = maddr.split("/")
+    if len(parts) > 2 and parts[1] in ("dns", "dns4", "dns6", "dnsaddr"):
+        return True
+    host = direct_host(maddr)
+    if host is None or parts[1] == "memory":
+        return False
+    ip = ipaddress.ip_address(host)
+    return not any(ip.version == net.version and ip in net for net in LIBP2P_NOT_PUBLIC)
+
+
 def _has_port(maddr: str) -> bool:
     parts = maddr.split("/")
     if parts[1] == "memory":

@@ -26,6 +26,7 @@ from hivemind.utils import get_dht_time
 
 from p2pdiloco.transport import framing
 from p2pdiloco.transport.base import ClockReading, PeerUnreachable, RemoteError
+from p2pdiloco.transport.dialback import libp2p_public
 from p2pdiloco.transport.hivemind_daemon import DhtDaemon
 from p2pdiloco.transport.hivemind_dht import RunRecordValidator, dial_from_dht, ping_for_time
 from p2pdiloco.transport.networked import NetworkedTransport
@@ -75,8 +76,14 @@ class HivemindTransport(NetworkedTransport):
             # which never counts a private address, has decided
             options["force_reachability"] = "public"
         elif self.use_relay and options["use_auto_relay"]:
-            # our dial-back already found nobody can dial us: take a relay slot at once
+            # our dial-back already found nobody can dial us: take a relay slot at once,
+            # trying the initial peers first (p2pd feeds its trusted relays to autorelay
+            # on every search, beside the DHT's closest peers, which a client's first
+            # lookups often miss)
             options["force_reachability"] = "private"
+            relays = [m for m in self.initial_peers if "/p2p/" in m and "/p2p-circuit" not in m]
+            if relays:
+                options["trusted_relays"] = relays
         if self.record_rules is not None:
             options["record_validators"] = [RunRecordValidator(self.record_rules)]
         if self.announce_maddrs:
@@ -92,13 +99,18 @@ class HivemindTransport(NetworkedTransport):
         """A DHT node cannot change mode, so the DHT process and p2pd start again in
         client mode (same identity, handlers served again): others stop routing DHT
         requests to a node they cannot dial."""
-        if self._client_mode:
-            return True
+        if not self._client_mode:
+            self._client_mode = True
+            await self.renew()
+        return True
+
+    async def renew(self) -> bool:
+        """The DHT process and p2pd start again in the current mode (same identity,
+        handlers served again); a failed start shuts the transport down and raises."""
         self._check_open()
         self._ready.clear()
         try:
             await self._daemon.shutdown()
-            self._client_mode = True
             await self._join()
             for name in self._handlers:
                 await self._serve_handler(name)
@@ -107,9 +119,29 @@ class HivemindTransport(NetworkedTransport):
             raise
         self._ready.set()
         logger.info(
-            "transport_restarted kind=%s peer_id=%s client_mode=True", self.kind, self._peer_id
-        )
+            "transport_restarted kind=%s peer_id=%s client_mode=%s",
+            self.kind, self._peer_id, self._client_mode,
+        )  # fmt: skip
         return True
+
+    async def relay_addresses(self) -> list[str] | None:
+        """The `/p2p-circuit` addresses p2pd announces for us now (autorelay adds one per
+        relay slot it holds, on a relay it counts public), read from the daemon; None when
+        this peer takes no slot, its initial peers are all on private addresses (a LAN
+        run, a test on 127.0.0.1: no circuit would be announced) or the daemon did not
+        answer within `dht_timeout_s`."""
+        p2p = self._daemon.p2p
+        if not (self._client_mode and self.use_relay and self.use_auto_relay) or p2p is None:
+            return None
+        if not any(libp2p_public(m) for m in self.initial_peers):
+            return None  # a relay p2pd counts private is never announced: cannot tell
+        try:
+            maddrs = await asyncio.wait_for(p2p.get_visible_maddrs(latest=True), self.dht_timeout_s)
+        except ValueError:  # hivemind's "no multiaddrs": none announced yet
+            return []
+        except Exception:  # noqa: BLE001 - a stuck or closing control socket: cannot tell
+            return None
+        return [str(m) for m in maddrs if "/p2p-circuit" in str(m)]
 
     # ---- RPC -------------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
     public hosts ──┐                                   ┌── private host 0
     (one netns     ├── bridge (switch netns) ── router ─┤   (192.168.x.10+i, default
-     each, 10.x)  ─┘        10.x.0.0/24      wan│NAT lan└── private host 1   route: router)
+     each)        ─┘      192.0.0.64/26      wan│NAT lan└── private host 1   route: router)
 
 The router masquerades the private subnet behind its public address (iptables
 `MASQUERADE`) and drops every connection that starts on the public side, as a home
@@ -32,11 +32,15 @@ from .harness import REPO_ROOT, PeerProcess
 
 __all__ = ["Host", "NatLab", "launch_in", "netns_problem"]
 
-PUBLIC_NET = "10.231.0"
-"""The public LAN's /24 (each lab has its own namespaces, so labs may share it)."""
+PUBLIC_NET, PUBLIC_FIRST, PUBLIC_MASK = "192.0.0", 64, 26
+"""The public LAN, 192.0.0.64/26 (each lab has its own namespaces, so labs may share it):
+an IETF protocol block that no internet route carries (RFC 6890), which go-libp2p yet
+counts public (its unroutable ranges stop at 192.0.0.0/26), so p2pd behaves as on the
+internet: AutoNAT finds public hosts public, and autorelay announces the relayed
+addresses it takes on them. The namespaces have no link to the host's own network."""
 PRIVATE_NET = "192.168.231"
 """The home network behind the router, a /24."""
-ROUTER_WAN_IP = f"{PUBLIC_NET}.2"
+ROUTER_WAN_IP = f"{PUBLIC_NET}.{PUBLIC_FIRST + 2}"
 """The router's public address: the source every private host's connections show."""
 COMMAND_S = 20.0
 """Deadline of one `ip` / `iptables` command."""
@@ -88,7 +92,7 @@ class NatLab:
         self.tag = uuid.uuid4().hex[:5]
         self.namespaces: list[str] = []
         self.public = [
-            Host(self._name(f"p{i}"), f"{PUBLIC_NET}.{10 + i}") for i in range(num_public)
+            Host(self._name(f"p{i}"), f"{PUBLIC_NET}.{PUBLIC_FIRST + 10 + i}") for i in range(num_public)
         ]
         self.private = [
             Host(self._name(f"n{i}"), f"{PRIVATE_NET}.{10 + i}") for i in range(num_private)
@@ -124,8 +128,8 @@ class NatLab:
             self._in(netns, "ip", "link", "set", "lo", "up")
         self._bridge(self.switch, "br0")
         for i, host in enumerate(self.public):
-            self._wire(host.netns, "eth0", f"{host.ip}/24", self.switch, f"v{i}", "br0")
-        self._wire(self.router.netns, "wan", f"{ROUTER_WAN_IP}/24", self.switch, "vrt", "br0")
+            self._wire(host.netns, "eth0", f"{host.ip}/{PUBLIC_MASK}", self.switch, f"v{i}", "br0")
+        self._wire(self.router.netns, "wan", f"{ROUTER_WAN_IP}/{PUBLIC_MASK}", self.switch, "vrt", "br0")
         self._bridge(self.router.netns, "lan", f"{PRIVATE_NET}.1/24")
         for i, host in enumerate(self.private):
             self._wire(host.netns, "eth0", f"{host.ip}/24", self.router.netns, f"v{i}", "lan")

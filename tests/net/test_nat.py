@@ -1,6 +1,6 @@
 """Peers behind a NAT router, in network namespaces: they find out by themselves that nobody
 can dial them, learn as client-mode learners, keep the one global state, and rejoin; and
-a public host reaches one of them through the bootstrap node's relay circuit.
+a public host reaches one of them through the relay circuit it announces.
 
 The lab (`netns.NatLab`): a bootstrap node and two public learners on a public LAN, two
 learners behind a router that masquerades their home network and drops connections
@@ -24,15 +24,19 @@ from .netns import ROUTER_WAN_IP, Host, NatLab, launch_in, netns_problem
 from .swarm_util import TINY_RUN, Events, applied, join_args, wait_all
 from .test_swarm import assert_replicas_identical
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(1200)
 
 SETS = ["sync.min_quorum=2", "sync.num_fragments=1"]
 READY_S = 240
 ROUND_WAIT_S = 180
 STATUS_S = 120
-RELAY_S = 420
-"""How long the probe tries the relay: a peer behind NAT with one relay candidate takes its
-slot after p2pd's autorelay boot delay (3 minutes: it waits for more candidates)."""
+RELAY_WAIT_S = 720
+"""How long a NAT'd peer may take to announce its relay slot: with one relay candidate
+p2pd's autorelay reserves after its boot delay (3 minutes: it waits for more); if that
+reservation fails, the peer renews its transport after `relay_slot.PATIENCE_S` (5 min)
+and tries again."""
+PROBE_S = 120
+"""How long the probe tries the announced circuit address."""
 RELAY_PROBE = Path(__file__).with_name("relay_probe.py")
 
 
@@ -117,14 +121,6 @@ def test_peers_behind_nat_become_client_learners_and_keep_one_state(lab, tmp_pat
         assert ROUTER_WAN_IP in event["reason"] and "NAT" in event["reason"], event
         assert "client-mode learner" in Path(log.peer.stderr_path).read_text()
 
-    # a public host reaches a NAT'd peer through the bootstrap node's relay, and only so
-    # (the router drops what comes in; the probe dials the circuit address alone): runs
-    # beside the rest, as the peer takes its slot only after p2pd's autorelay boot delay
-    probe = subprocess.Popen(
-        lab.public[1].argv([sys.executable, str(RELAY_PROBE), lab.public[1].ip, initial[0], nat[1].peer.peer_id, str(RELAY_S)]),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-
     # 2. they contribute, and every replica applies the same rounds
     for log in nat:
         log.wait(merged_contribution(), ROUND_WAIT_S)
@@ -139,7 +135,9 @@ def test_peers_behind_nat_become_client_learners_and_keep_one_state(lab, tmp_pat
     # their daemons run as DHT clients that take a relay slot at once (our dial-back said
     # private); the public ones serve; the bootstrap node relays (known public)
     for log in nat:
-        assert {"-dhtClient=1", "-relay=1", "-autoRelay=1", "-forceReachabilityPrivate=1"} <= p2pd_flags(log)
+        flags = p2pd_flags(log)
+        assert {"-dhtClient=1", "-relay=1", "-autoRelay=1", "-forceReachabilityPrivate=1"} <= flags
+        assert f"-trustedRelays={initial[0]}" in flags, flags  # the bootstrap node first
     for log in public:
         assert {"-dhtServer=1", "-relay=1", "-autoRelay=0"} <= p2pd_flags(log)
     assert "-forceReachabilityPublic=1" in {f for pid in boot.p2pd_pids() for f in cmdline(pid)}
@@ -163,12 +161,20 @@ def test_peers_behind_nat_become_client_learners_and_keep_one_state(lab, tmp_pat
     assert_replicas_identical(survivors, min_common=1)
     assert_replicas_identical([*public, nat[0]], min_common=2)  # its life before the kill
 
-    # 5. the relay: reached through the bootstrap node's circuit
-    try:
-        out, err = probe.communicate(timeout=RELAY_S + 60)
-    finally:
-        probe.kill()
-    lines = out.strip().splitlines()
-    assert lines, err[-2000:]
+    # 5. a public host reaches a NAT'd peer through the relay it announced, and only so (the
+    # router drops what comes in; the probe dials the circuit address alone). Its relays
+    # are public peers: the bootstrap node (at once) or a public learner (once AutoNAT
+    # calls it public).
+    slot = nat[1].wait(lambda e: e.get("event") == "relay_slot", RELAY_WAIT_S)
+    print(f"relay slot after {slot.get('waited_s')} s: {slot['addresses']}")  # for docs/join.md
+    relay = slot["addresses"][0].split("/p2p-circuit")[0]
+    public_ids = {boot.peer_id} | {log.peer.peer_id for log in public}
+    assert relay.rsplit("/p2p/", 1)[1] in public_ids, slot
+    probe = subprocess.run(
+        lab.public[1].argv([sys.executable, str(RELAY_PROBE), lab.public[1].ip, relay, nat[1].peer.peer_id, str(PROBE_S)]),
+        capture_output=True, text=True, timeout=PROBE_S + 60,
+    )  # fmt: skip
+    lines = probe.stdout.strip().splitlines()
+    assert lines, probe.stderr[-2000:]
     reached = json.loads(lines[-1])
     assert reached["reached"], reached

@@ -36,6 +36,7 @@ def test_the_simulator_agrees_with_four_real_peers_within_the_tolerance() -> Non
     assert len(summaries) == 4 and all(max(s["rounds"]) >= script.AGREEMENT_ROUNDS for s in summaries)
     assert all(s["steps_contributed"] > 0 for s in summaries), "every real learner was merged"
     report = {k: (entry["real"][k], entry["simulated"][k]) for k in entry["real"]}
+    print(f"(real, simulated): {report}; relative errors {entry['relative_error']}")
     assert entry["agrees"], (
         f"relative errors {entry['relative_error']} over {script.AGREEMENT_TOLERANCE}: "
         f"(real, simulated) {report}"
