@@ -4,6 +4,7 @@ real roles that must keep the swarm's invariants (one hash per round on every re
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import pytest
@@ -12,7 +13,14 @@ import torch
 from p2pdiloco import compress, wire
 from p2pdiloco.sim.fair_share import FairShareLinks
 from p2pdiloco.sim.links import LOOPBACK, Population
-from p2pdiloco.sim.swarm import PARAMS, PresetBytes, SimNetwork, sim_config, simulate
+from p2pdiloco.sim.swarm import (
+    PARAMS,
+    PresetBytes,
+    SimNetwork,
+    applied_pace,
+    sim_config,
+    simulate,
+)
 from p2pdiloco.sim.virtual_time import Deadlock, InlineExecutor, VirtualClock, run_virtual
 from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
 from p2pdiloco.transport.traffic import Traffic, key_category, rpc_category
@@ -201,3 +209,20 @@ def test_one_seed_repeats_its_figures_and_another_draws_other_peers() -> None:
     ]  # fmt: skip
     assert runs[0].as_dict() == runs[1].as_dict()
     assert runs[0].as_dict() != runs[2].as_dict()
+
+
+def test_the_pace_counts_rounds_up_to_the_last_one_applied_not_to_the_end_of_the_span() -> None:
+    """Rounds 0..5 applied every 10 s (medians 10..60 s), then nothing until the span ends
+    at 100 s: 6 rounds in 60 s, 6 a minute, not 3.6. Round 6's median lies past the end."""
+    applied = {(0, r): [10.0 * (r + 1) - 1, 10.0 * (r + 1), 10.0 * (r + 1) + 1] for r in range(6)}
+    applied[(0, 6)] = [99.0, 101.0, 102.0]
+    assert applied_pace(applied, 0.0, 100.0) == pytest.approx(6.0)
+    assert applied_pace({(1, 0): [5.0], (1, 1): [15.0]} | applied, 0.0, 100.0) == pytest.approx(7.0)
+    assert math.isnan(applied_pace({}, 0.0, 100.0))
+
+
+def test_a_simulated_swarm_reports_its_pace_up_to_its_last_round() -> None:
+    figures = simulate(4, 120.0, config=sim_config(inner_steps=20), population=LOOPBACK, warmup_s=0.0)
+    assert figures.rounds >= 2
+    # at most the rounds committed (and a part of the next) fit in the span at that pace
+    assert 0 < figures.rounds_per_min * figures.seconds / 60 <= figures.rounds + 1

@@ -324,6 +324,25 @@ def small_state(config: RunConfig) -> GlobalState:
     return GlobalState(params, [[f"p{f}"] for f in range(fragments)], config.outer)
 
 
+def applied_pace(applied: dict[tuple[int, int], list[float]], start: float, end: float) -> float:
+    """Rounds per minute up to the last round applied: `applied` holds, per (fragment,
+    round), the instants the peers applied it; per fragment, the rounds whose median
+    instant falls in [start, end] over the time from `start` to the last of them,
+    averaged over the fragments (NaN if none). Cut at the last apply, the pace does not
+    count the time after it: a real peer that exits at `--max-rounds` some seconds after
+    its last round, and a simulated span cut in the middle of one, count alike."""
+    last: dict[int, tuple[int, float]] = {}
+    counted: dict[int, int] = defaultdict(int)
+    for (fragment, round_id), instants in applied.items():
+        when = statistics.median(instants) if instants else math.nan
+        if start <= when <= end:
+            counted[fragment] += 1
+            if round_id >= last.get(fragment, (-1, 0.0))[0]:
+                last[fragment] = (round_id, when)
+    paces = [60.0 * counted[f] / (when - start) for f, (_r, when) in last.items() if when > start]
+    return sum(paces) / len(paces) if paces else math.nan
+
+
 @dataclass
 class SwarmFigures:
     """What one simulated run measured (per peer figures over the measured span)."""
@@ -343,6 +362,8 @@ class SwarmFigures:
     rounds: int
     goodput: float
     stalls: int
+    rounds_per_min: float = math.nan
+    """Rounds applied per minute up to the last one applied in the span (`applied_pace`)."""
     goodput_decided: float = math.nan
     """Tokens merged / tokens whose fate is decided when the learners stop, before the
     drain: a delta in flight or folded back is neither (what the agreement compares with
@@ -615,6 +636,7 @@ class Swarm:
         computed = sum(at_stop[p][0] - tokens_base.get(p, (0, 0))[0] for p in at_stop)
         merged = sum(at_stop[p][1] - tokens_base.get(p, (0, 0))[1] for p in at_stop)
         figures.goodput_decided = merged / computed if computed > 0 else math.nan
+        figures.rounds_per_min = applied_pace(self.applied, start, start + span)
         return figures
 
     def _figures(
