@@ -58,3 +58,15 @@ def test_child_processes_are_found_and_a_zombie_is_not_alive() -> None:
         child.kill()
         child.wait()
     assert not pid_alive(child.pid) and child_pids(2**22 + 12345) == []
+
+
+def test_a_start_that_reached_no_initial_peer_is_retried_whichever_layer_says_so() -> None:
+    """hivemind's DHT node and p2pd's own bootstrap dial word it differently; a peer
+    restarting in client mode under load met the second, and was not retried."""
+    from p2pdiloco.transport.hivemind_daemon import is_bootstrap_failure
+
+    assert is_bootstrap_failure("DHTNode bootstrap failed: none of the initial_peers responded to a ping.")
+    assert is_bootstrap_failure(
+        "Daemon failed to start: 2026/12/07 00:52:27 failed to connect to bootstrap peers"
+    )
+    assert not is_bootstrap_failure("Daemon failed to start: listen tcp4: address already in use")

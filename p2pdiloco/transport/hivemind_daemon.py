@@ -121,6 +121,18 @@ def _validation_error(e: ValidationError) -> TransportStartError:
     )
 
 
+BOOTSTRAP_FAILURES = ("bootstrap failed", "failed to connect to bootstrap peers")
+"""How a start that reached no initial peer reads: hivemind's DHT node ("DHTNode bootstrap
+failed: none of the initial_peers responded to a ping") and p2pd's own dial of its
+bootstrap peers ("failed to connect to bootstrap peers", seen when a peer restarts in
+client mode a moment after its first daemon left, under load): both are retried."""
+
+
+def is_bootstrap_failure(text: str) -> bool:
+    """Whether a start's error says it reached no initial peer (worth a retry)."""
+    return any(phrase in text for phrase in BOOTSTRAP_FAILURES)
+
+
 class DhtDaemon:
     """One transport's hivemind DHT process and the p2pd daemon under it.
 
@@ -220,7 +232,7 @@ class DhtDaemon:
                 self._p2pd_pids += child_pids(self.dht.pid)
             raise _validation_error(e) from None
         except (P2PDaemonError, RuntimeError, ValueError, OSError) as e:
-            self._bootstrap_failed = "bootstrap failed" in str(e)
+            self._bootstrap_failed = is_bootstrap_failure(str(e))
             if self.dht.pid is not None:
                 self._p2pd_pids += child_pids(self.dht.pid)
             raise self._start_error(e) from None
