@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from p2pdiloco.transport.base import Transport, TransportError
@@ -43,8 +43,8 @@ POLL_S = 5.0
 class SlotWatch:
     """What a peer's relay slot did, from the relayed addresses seen at each instant.
 
-    `observe(addresses, now)` returns the events to emit and whether to renew the
-    transport now; after a renewal, call `renewed(now)`. `addresses` None means the
+    `start(now)` first; then `observe(addresses, now)` returns the events to emit and
+    whether to renew the transport now; after a renewal, call `renewed(now)`. `addresses` None means the
     daemon could not tell: nothing changes, the patience runs on.
     """
 
@@ -57,18 +57,16 @@ class SlotWatch:
     it holds one."""
     fruitless: int = 0
     """Renewals in a row that brought no slot."""
-    _started: float | None = field(default=None, repr=False)
 
     def start(self, now: float) -> None:
-        self.waiting_since = self._started = now
+        """The watch begins at `now`, with no slot yet."""
+        self.waiting_since = now
 
     @property
     def current_patience_s(self) -> float:
         return min(self.patience_s * 2**self.fruitless, self.max_patience_s)
 
     def observe(self, addresses: list[str] | None, now: float) -> tuple[list[dict[str, Any]], bool]:
-        if self.waiting_since is None and self._started is None:
-            self.start(now)
         if addresses is None:
             return [], self._out_of_patience(now)
         seen = tuple(sorted(set(addresses)))
