@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import venv
 from pathlib import Path
 
@@ -142,11 +143,47 @@ def _run(
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def borrowed_site_dirs() -> list[str]:
+    """The folders this interpreter imports installed packages from, in its order: its
+    own site-packages and those it inherits (a venv made with system site packages, a
+    conda env, a uv venv, the user site). Not the checkout, not the standard library."""
+    own = {str(Path(p).resolve()) for p in (sysconfig.get_paths()["stdlib"], REPO_ROOT)}
+    dirs = []
+    for entry in sys.path:
+        path = Path(entry or ".").resolve()
+        if path.name in ("site-packages", "dist-packages") and path.is_dir():
+            if str(path) not in own and str(path) not in dirs:
+                dirs.append(str(path))
+    return dirs
+
+
+def borrow_site_packages(python: Path) -> None:
+    """Let the venv of `python` import this interpreter's dependencies.
+
+    `venv.create(system_site_packages=True)` is not the way: it borrows the *base*
+    interpreter's packages, and when this one is itself a virtualenv (a user's venv, uv,
+    conda) the base has none of the project's dependencies. Instead a `.pth` file in the
+    new venv lists this interpreter's site folders as plain paths: they come after the
+    venv's own site-packages (so the wheel installed there is the `p2pdiloco` imported),
+    and their own `.pth` files are not run, so an editable install of the checkout in
+    this interpreter does not leak into the venv."""
+    site_dir = _run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        REPO_ROOT,
+        dict(os.environ),
+    ).stdout.strip()
+    assert site_dir, f"{python} names no site-packages"
+    Path(site_dir, "_borrowed_from_the_test_interpreter.pth").write_text(
+        "".join(f"{d}\n" for d in borrowed_site_dirs())
+    )
+
+
 @pytest.mark.timeout(240)
 def test_the_installed_wheel_knows_the_shipped_runs_outside_the_repository(tmp_path) -> None:
     """About 10-20 s: a wheel built from a copy of the sources (the checkout is left as
-    it is), a venv that borrows this interpreter's packages (torch is not installed again),
-    and the installed `p2pdiloco` command run from a folder that is not the repository."""
+    it is), a venv that borrows this interpreter's dependencies (torch is not installed
+    again; `borrow_site_packages` says how, whatever installed this interpreter), and the
+    installed `p2pdiloco` command run from a folder that is not the repository."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["P2PDILOCO_HOME"] = str(tmp_path / "home")
     source = tmp_path / "source"
@@ -170,8 +207,9 @@ def test_the_installed_wheel_knows_the_shipped_runs_outside_the_repository(tmp_p
     )  # fmt: skip
     assert built.returncode == 0, built.stdout + built.stderr
     (wheel,) = (tmp_path / "dist").glob("p2pdiloco-*.whl")
-    venv.create(tmp_path / "venv", system_site_packages=True, with_pip=True)
+    venv.create(tmp_path / "venv", with_pip=True)
     bin_dir = tmp_path / "venv" / ("Scripts" if os.name == "nt" else "bin")
+    borrow_site_packages(bin_dir / "python")
     installed = _run(
         [
             str(bin_dir / "python"),
