@@ -15,7 +15,7 @@ from p2pdiloco.config import RunConfig, load_config
 from p2pdiloco.training.data import Corpus
 
 # One thread a test process, and (through the environment) a process a test starts: the
-# two xdist workers fill two cores, and oversubscribed OpenMP threads spin against each
+# xdist workers fill the cores, and oversubscribed OpenMP threads spin against each
 # other on a loaded machine (a tiny simulation took 10x longer beside a CPU hog).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
@@ -49,3 +49,35 @@ def tiny_config() -> RunConfig:
 @pytest.fixture(scope="session")
 def tiny_corpus(tiny_config: RunConfig) -> Corpus:
     return Corpus.from_config(tiny_config.data)
+
+
+LONGEST_FIRST = (
+    "net/test_attacks_audits.py",
+    "net/test_attacks_members.py",
+    "net/test_sim_agreement.py",
+    "net/test_attacks_transport.py",
+    "net/test_swarm.py",
+    "net/test_certified.py",
+    "net/test_rounds.py",
+    "net/test_durable.py",
+    "net/test_attacks_replica.py",
+    "net/test_attacks.py",
+)
+"""Test files whose tests take the longest (about 50-140 s each on an idle 2-core machine,
+`--durations`), longest first. The order only schedules, it never skips."""
+
+
+def _schedule_rank(item: pytest.Item) -> tuple[int, int]:
+    path = str(item.fspath).replace("\\", "/")
+    for rank, name in enumerate(LONGEST_FIRST):
+        if path.endswith("tests/" + name):
+            return (0, rank)
+    return (1, 0) if "/tests/net/" in path else (2, 0)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Longest first: the networked tests (the long files first), then the pure ones, so
+    the workers (`--dist load`, handed a test or two at a time) end together on short
+    tests instead of one worker finishing a 2-minute swarm alone (a stable sort: within a
+    file the order is the file's)."""
+    items.sort(key=_schedule_rank)

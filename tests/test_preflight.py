@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -111,8 +112,20 @@ def test_device_memory_and_disk() -> None:
     assert full.level == "fail" and "--checkpoint-dir" in full.advice
 
 
-def test_free_disk_is_read_from_the_nearest_existing_parent(tmp_path) -> None:
-    assert free_disk_bytes(str(tmp_path / "not" / "yet")) == free_disk_bytes(str(tmp_path))
+def test_free_disk_is_read_from_the_nearest_existing_parent(tmp_path, monkeypatch) -> None:
+    # the folder asked about is recorded, not the free bytes compared: other processes
+    # write to the same disk between two readings (a test beside this one did, once)
+    asked: list[str] = []
+    real_usage = shutil.disk_usage
+
+    def disk_usage(path):  # noqa: ANN001, ANN202 - shutil's own signature
+        asked.append(str(path))
+        return real_usage(path)
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+    assert free_disk_bytes(str(tmp_path / "not" / "yet")) > 0
+    assert asked == [str(tmp_path)]
+    assert free_disk_bytes(str(tmp_path / "no-such" / "place")) is not None and len(asked) == 2
 
 
 def test_a_checkpoint_folder_this_user_cannot_write_fails() -> None:
