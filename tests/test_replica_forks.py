@@ -21,10 +21,18 @@ import torch
 
 from p2pdiloco import compress, wire
 from p2pdiloco.config import OuterConfig
+from p2pdiloco.identity import Identity
 from p2pdiloco.outer.fragment import outer_update
 from p2pdiloco.outer.step import tensor_norm
+from p2pdiloco.protocol.election import synchronizer_order
 from p2pdiloco.protocol.membership import Heartbeat
-from p2pdiloco.protocol.rounds import RoundRecord, record_subkey, rounds_key, signed_record
+from p2pdiloco.protocol.rounds import (
+    FINALITY_DEPTH,
+    RoundRecord,
+    record_subkey,
+    rounds_key,
+    signed_record,
+)
 from p2pdiloco.roles.replica import ReplicaSync
 from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
@@ -66,17 +74,21 @@ class Peer:
     def hash(self) -> str:
         return self.state.current_hash(0)
 
-    def commit(self, scale: float, holders: tuple[str, ...] = (), supersedes: str = "") -> tuple[RoundRecord, Update]:
+    def commit(
+        self, scale: float, holders: tuple[str, ...] = (), supersedes: str = "", named: tuple[str, ...] = ()
+    ) -> tuple[RoundRecord, Update]:
         """Commit the next round as its synchronizer: the update kept here, the signed
-        record stored in the DHT (installed by `install_own` by the caller)."""
+        record stored in the DHT (installed by `install_own` by the caller). `named`: other
+        contributors the record names (in an open run, each may then synchronize)."""
         snapshot = self.state.export_fragment(0)
         grad = {"w": torch.full((4, 4), scale), "b": torch.full((4,), -scale)}
         encoded = {n: CODEC.encode(t) for n, t in grad.items()}
         decoded = {n: CODEC.decode(e) for n, e in encoded.items()}
         advanced = outer_update(snapshot, decoded, OUTER)
         update = new_update(
-            RUN, snapshot.round, 0, self.peer_id, snapshot.hash, advanced.hash, [(self.peer_id, 1.0, 64)], encoded
-        )
+            RUN, snapshot.round, 0, self.peer_id, snapshot.hash, advanced.hash,
+            [(self.peer_id, 1.0, 64), *((peer, 1.0, 64) for peer in named)], encoded,
+        )  # fmt: skip
         record = RoundRecord(
             round=snapshot.round, fragment=0, synchronizer=self.peer_id, hash=advanced.hash, parent=snapshot.hash,
             digest=update.digest, holders=holders, contributors=update.contributors,
@@ -311,3 +323,53 @@ def test_a_round_is_served_by_the_peers_that_hold_it_not_by_its_synchronizer_alo
         assert max(served) < len(fetchers) // 2, f"one peer served most fetchers: {served}"
 
     scenario(19, body)
+
+
+# --- finality (issue 42, item 1) ----------------------------------------------------------
+
+
+def test_a_late_rival_that_outranks_a_final_round_rewinds_no_replica() -> None:
+    """An attacker the chain named once (a merged contribution in round 1) signs, after 8
+    rounds, a record for round 2 with the right parent, a current close time and a key
+    ground to out-rank its synchronizer. By rank alone every replica would drop rounds 3-7
+    and go after a state that record names; a replica holds round 2 final (it applied
+    `FINALITY_DEPTH` rounds on it), so nothing changes for any of them."""
+
+    async def body(swarm: Swarm) -> None:
+        synchronizer, *others = swarm.by_id
+        attacker = Identity.generate()
+        while synchronizer_order(RUN, 2, 0, [attacker.peer_id, synchronizer.peer_id])[0] != attacker.peer_id:
+            attacker = Identity.generate()
+        parents = {}
+        for round_id in range(8):
+            parents[round_id] = synchronizer.hash()
+            record, update = synchronizer.commit(1.0 + round_id, named=(attacker.peer_id,) if round_id == 1 else ())
+            await synchronizer.install(record, update)
+            await sync_all(others, passes=1)
+        head = synchronizer.hash()
+        assert {p.hash() for p in swarm.live()} == {head} and {p.state.round_of(0) for p in swarm.live()} == {8}
+        assert 8 - 1 - FINALITY_DEPTH >= 2  # round 2 is final on every replica
+        rival = signed_record(
+            attacker, RUN,
+            RoundRecord(
+                round=2, fragment=0, synchronizer=attacker.peer_id, hash="f" * 64, parent=parents[2],
+                digest="d" * 64, contributors=((attacker.peer_id, 1.0, 64),), closed_at=synchronizer.transport.now(),
+            ),
+        )  # fmt: skip
+        swarm.network._store(
+            rounds_key(RUN, 0), record_subkey(2, attacker.peer_id), rival.sealed, synchronizer.transport.now() + 3600
+        )
+        for peer in swarm.live():
+            # the rule by rank alone (what a replica did before finality) follows the rival
+            peer.replicas.final = lambda fragment: None
+            rewound = await peer.replicas.read_chain(0)
+            assert rewound[2].synchronizer == attacker.peer_id and max(rewound) == 2
+            del peer.replicas.final  # the method again
+            assert (await peer.replicas.read_chain(0))[2].digest != rival.digest
+        await sync_all(swarm.live())
+        for peer in swarm.live():
+            chain = await peer.replicas.read_chain(0)
+            assert max(chain) == 7 and chain[2].synchronizer == synchronizer.peer_id
+            assert peer.state.round_of(0) == 8 and peer.hash() == head
+
+    scenario(3, body)

@@ -20,6 +20,7 @@ from proptest import examples
 from p2pdiloco.identity import Identity
 from p2pdiloco.protocol.election import synchronizer_order
 from p2pdiloco.protocol.rounds import (
+    FINALITY_DEPTH,
     MAX_LISTED_PEERS,
     MAX_RECORD_BYTES,
     SUPERSEDE_AFTER_S,
@@ -27,6 +28,7 @@ from p2pdiloco.protocol.rounds import (
     RoundRecord,
     canonical_chain,
     decode_round_record,
+    final_point,
     open_record,
     rank,
     record_standing,
@@ -772,3 +774,66 @@ def test_a_synchronizer_the_chain_never_named_would_commit_a_record_every_other_
     assert not skipped_on_chain([], first)
     # what the other peers' canonical rules do with it: skip it, as the check predicts
     assert 6 not in canonical_chain(RUN, [*chain, stranger], GENESIS, open_run=True)
+
+
+# --- finality: no record at or below a final round moves a replica ---------------------
+
+
+def test_a_round_is_final_once_the_replica_applied_finality_depth_rounds_on_it() -> None:
+    applied = {r: f"h{r}" for r in range(10)}
+    assert final_point(applied) == (9 - FINALITY_DEPTH, f"h{9 - FINALITY_DEPTH}")
+    assert final_point({r: f"h{r}" for r in range(FINALITY_DEPTH)}) is None  # not deep enough yet
+    assert final_point({}) is None
+    # a download forgets the rounds before it: nothing is final on its own again
+    assert final_point({7: "h7"}) is None
+    assert final_point({5: "h5", 6: "h6", 8: "h8", 9: "h9"}, depth=3) is None  # a gap
+
+
+def _late_rival_of(honest: list[RoundRecord], round_id: int, attacker: Identity) -> RoundRecord:
+    """What an attacker the chain named once signs: a record for an old round, with the
+    right parent, a current close time and a key ground to out-rank the committed one."""
+    return dataclasses_replace(
+        record(round_id, attacker.peer_id, parent=f"h{round_id - 1}", hash=f"forged-{round_id}"),
+        closed_at=honest[-1].closed_at + 5,
+    )
+
+
+def test_a_late_outranking_rival_of_a_final_round_changes_nothing_a_replica_follows() -> None:
+    honest = _open_chain(9)
+    attacker = _outranking(2, [honest[2].synchronizer])
+    SIGNER[attacker.peer_id] = attacker
+    honest[1] = dataclasses_replace(honest[1], contributors=((A, 1.0, 10), (attacker.peer_id, 1.0, 10)))
+    rival = _late_rival_of(honest, 2, attacker)
+    records = [*honest, rival]
+    # the rule by rank alone: every replica would drop rounds 3-8 and follow the rival
+    assert canonical_chain(RUN, records, GENESIS, open_run=True) == {0: honest[0], 1: honest[1], 2: rival}
+    # a replica that applied rounds 0-8 holds round 8 - FINALITY_DEPTH final: its chain is
+    # the one it built, whatever the rival's rank or close time
+    final = final_point({r.round: r.hash for r in honest})
+    assert final is not None and final[0] >= 2
+    kept = canonical_chain(RUN, records, GENESIS, open_run=True, final=final)
+    assert kept == {r.round: r for r in honest}
+    # a rival of a round above the final one is still settled by rank, as by every peer
+    late = _late_rival_of(honest, 8, attacker)
+    follows = canonical_chain(RUN, [*honest, late], GENESIS, open_run=True, final=final)
+    assert follows[8] == min(late, honest[8], key=lambda r: rank(RUN, r))
+
+
+def test_a_longer_chain_that_does_not_pass_through_the_final_round_is_not_followed() -> None:
+    honest = honest_chain(13, 20)  # rounds below 13 expired
+    # an "expired past": self-signed records from above the head, more of them than its round
+    forged = [record(r, "f", parent=f"x{r - 1}", hash=f"x{r}") for r in range(21, 60)]
+    assert min(canonical_chain(RUN, [*honest, *forged], GENESIS, anchor=(20, "h20"))) == 21  # it outgrew
+    final = (20 - FINALITY_DEPTH, f"h{20 - FINALITY_DEPTH}")
+    assert canonical_chain(RUN, [*honest, *forged], GENESIS, anchor=(20, "h20"), final=final) == {
+        r.round: r for r in honest
+    }
+
+
+def test_past_a_final_round_whose_records_expired_the_usual_rules_choose_above_it() -> None:
+    """A stop longer than the records' lifetime: nothing leads on from the final hash any
+    more; the rules choose among the records past it, and none at or below it counts."""
+    later = honest_chain(30, 34)
+    below = record(10, "attacker", parent="h9", hash="forged-10")
+    chain = canonical_chain(RUN, [*later, below], GENESIS, final=(12, "h12"))
+    assert chain == {r.round: r for r in later}

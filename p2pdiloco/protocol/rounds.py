@@ -438,6 +438,33 @@ def _named_in_ancestry(
     return False
 
 
+FINALITY_DEPTH = 3
+"""Rounds a replica must have applied on top of a round before that round is final for
+it (`final_point`): from then on no record at or below it changes what it follows.
+
+Why 3: a branch grows only by commits, and each synchronizer reads the round's records
+before it commits on top of them (`Committer`), so an honest race (two records for one
+round, a failover while the first synchronizer was still merging) is settled by rank
+within the round after it: the losing branch gets no child once its rival is visible.
+For a replica to stand on a losing branch three rounds deep, three synchronizers in a
+row must have missed a rival stored in the DHT: a partition, not a race. A late record
+outranking an old round, on the other hand, is exactly what an attacker with one merged
+contribution can sign at any time (docs/security.md, "Finality")."""
+
+
+def final_point(applied: Mapping[int, str], depth: int = FINALITY_DEPTH) -> tuple[int, str] | None:
+    """(round, hash after it) of the highest round on which this replica applied `depth`
+    more rounds in a row (`applied`: round -> hash after it, what the replica applied or
+    downloaded), or None while it has not (pure)."""
+    if not applied:
+        return None
+    last = max(applied)
+    round_id = last - depth
+    if round_id < 0 or any(r not in applied for r in range(round_id, last + 1)):
+        return None
+    return (round_id, applied[round_id])
+
+
 CHAIN_MEMO_SIZE = 64
 """Inputs `canonical_chain` remembers its answer for (most recent first)."""
 
@@ -476,6 +503,7 @@ def canonical_chain(
     anchor: tuple[int, str] | None = None,
     supersede_after_s: float = SUPERSEDE_AFTER_S,
     open_run: bool = False,
+    final: tuple[int, str] | None = None,
 ) -> dict[int, RoundRecord]:
     """The one record per round every peer follows, from its start as far as it goes.
 
@@ -497,8 +525,18 @@ def canonical_chain(
     In an open run (`open_run`), a record whose synchronizer its own ancestry never named
     is skipped, and one that took over a stalled chain ranks after every named rival
     (`record_standing`).
+
+    With `final` (round f, the hash after it: this replica's `final_point`), the chain
+    goes through it whatever else was signed: below f it is the ancestry of that hash,
+    and from f + 1 it goes on from that hash alone, so no record at or below f (however
+    well ranked, however late) and no chain that does not pass through it (however long)
+    moves the replica. Only where no record leads on from f any more (they expired: a
+    stop longer than `ROUND_RECORD_TTL_S`) do the rules above choose among the records
+    past f.
     """
     records = list(records)
+    if final is not None:
+        return _through_final(run, records, genesis_hash, void, final, anchor, supersede_after_s, open_run)
     skipped = void | superseded_digests(records, supersede_after_s)
     standing = record_standing(records, 2 * supersede_after_s) if open_run else {}
     by_round: dict[int, list[RoundRecord]] = {}
@@ -545,4 +583,56 @@ def canonical_chain(
     while (chosen := best(round_id, parent)) is not None:
         chain[round_id] = chosen
         parent, round_id = chosen.hash, round_id + 1
+    return chain
+
+
+def _through_final(
+    run: str,
+    records: list[RoundRecord],
+    genesis_hash: str,
+    void: frozenset[str],
+    final: tuple[int, str],
+    anchor: tuple[int, str] | None,
+    supersede_after_s: float,
+    open_run: bool,
+) -> dict[int, RoundRecord]:
+    """`canonical_chain` of a replica whose round `final[0]` is final (see there): the
+    usual rules over the final hash's ancestry (one record a round, the one this replica
+    applied) and the records that descend from it, so every chain they can pick passes
+    through it. The ancestry stays in so an open run's standing still sees who the chain
+    named."""
+    final_round, final_hash = final
+    by_round: dict[int, list[RoundRecord]] = {}
+    for record in records:
+        if record.digest not in void:
+            by_round.setdefault(record.round, []).append(record)
+    kept: list[RoundRecord] = []
+    wanted = final_hash
+    for round_id in range(final_round, -1, -1):  # the ancestry, from the final hash down
+        mine = [r for r in by_round.get(round_id, ()) if r.hash == wanted]
+        if not mine:
+            break
+        kept.append(min(mine, key=lambda r: rank(run, r)))
+        wanted = kept[-1].parent
+    reached, onward = {final_hash}, []
+    for round_id in range(final_round + 1, max(by_round, default=final_round) + 1):  # descendants
+        children = [r for r in by_round.get(round_id, ()) if r.parent in reached]
+        if not children:
+            break
+        onward += children
+        reached = {r.hash for r in children}
+    if not onward:
+        # nothing leads on from the final hash: its records expired (a stop longer than
+        # ROUND_RECORD_TTL_S); the usual rules choose among the records past it
+        past = [r for r in records if r.round > final_round]
+        chain = canonical_chain(
+            run, past, genesis_hash, void, anchor=anchor, supersede_after_s=supersede_after_s, open_run=open_run
+        )
+        return {**{r.round: r for r in kept}, **chain}
+    start = kept[-1] if kept else None
+    chain = canonical_chain(
+        run, [*kept, *onward], genesis_hash, void,
+        anchor=None if start is not None else final,  # the ancestry links the chain itself
+        supersede_after_s=supersede_after_s, open_run=open_run,
+    )  # fmt: skip
     return chain

@@ -41,9 +41,11 @@ from p2pdiloco.outer.step import tensor_norm
 from p2pdiloco.protocol.election import rendezvous_order
 from p2pdiloco.protocol.membership import Heartbeat, learners, past_round, synchronizer_candidates
 from p2pdiloco.protocol.rounds import (
+    FINALITY_DEPTH,
     ROUND_RECORD_TTL_S,
     RoundRecord,
     canonical_chain,
+    final_point,
     records_of,
     rounds_key,
     superseded_digests,
@@ -176,6 +178,8 @@ class ReplicaSync:
         this replica passed, as read from the DHT (again if it changes), so learners
         settle their deltas by what the swarm committed, not by what one peer said."""
         self._notified: list[dict[int, str]] = [{} for _ in state.fragments]
+        self._finals: list[tuple[int, str] | None] = [None for _ in state.fragments]
+        """Per fragment, (round, hash after it) of the highest round final here (`final`)."""
 
     async def start(self) -> None:
         await self.server.start()
@@ -207,7 +211,7 @@ class ReplicaSync:
         chain = canonical_chain(
             self.run, records, self.genesis[fragment], frozenset(self.void),
             anchor=self.anchor(fragment), supersede_after_s=self.void_after_s,
-            open_run=self.open_run,
+            open_run=self.open_run, final=self.final(fragment),
         )  # fmt: skip
         self.chains[fragment] = chain
         self._report_superseded(records)
@@ -324,6 +328,19 @@ class ReplicaSync:
             return None
         hash_ = self.state.applied_hashes[fragment].get(round_id)
         return None if hash_ is None else (round_id, hash_)
+
+    def final(self, fragment: int) -> tuple[int, str] | None:
+        """(round, hash after it) of the highest round of `fragment` this replica applied
+        `FINALITY_DEPTH` rounds on (`rounds.final_point`), or None. It only moves up: a
+        state download (which forgets the hashes before it) keeps it, and no record at or
+        below it changes the chain this replica follows (`canonical_chain(final=...)`)."""
+        last = self.state.round_of(fragment) - 1
+        hashes = self.state.applied_hashes[fragment]  # .get: atomic beside the worker's writes
+        recent = {r: h for r in range(last - FINALITY_DEPTH, last + 1) if (h := hashes.get(r)) is not None}
+        found, kept = final_point(recent), self._finals[fragment]
+        if found is not None and (kept is None or found[0] > kept[0]):
+            self._finals[fragment] = kept = found
+        return kept
 
     def supersedable(self, fragment: int, round_id: int) -> str:
         """Digest of the canonical record of (round, fragment) that this peer, as the
