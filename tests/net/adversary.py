@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -23,7 +24,7 @@ import msgpack
 import torch
 
 from p2pdiloco import compress, wire
-from p2pdiloco.identity import Identity
+from p2pdiloco.identity import Identity, load_identity
 from p2pdiloco.protocol.election import synchronizer_order
 from p2pdiloco.protocol.membership import (
     HEARTBEATS,
@@ -33,6 +34,7 @@ from p2pdiloco.protocol.membership import (
     open_heartbeat,
 )
 from p2pdiloco.protocol.rounds import (
+    FINALITY_DEPTH,
     RoundRecord,
     open_record,
     record_subkey,
@@ -351,6 +353,58 @@ class Adversary:
                 signed.add((fragment, target))
             await asyncio.sleep(0.5)
         return {"records_signed": len(signed)}
+
+    async def late_rivals(self, duration_s: float = 20.0, fragments: int = 4, lookback: int = 8) -> dict:
+        """Issue 42, item 1: a peer the chain named (its key file in $LATE_RIVAL_KEY: an
+        honest learner's key, as a peer turned attacker has its own) signs, for old rounds
+        its key out-ranks the committed synchronizer in, a rival with the right parent, a
+        current close time and a state that exists nowhere. By rank alone every replica
+        dropped the rounds after it; a round three deep is final on every replica now."""
+        me = load_identity(os.environ["LATE_RIVAL_KEY"])
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + duration_s
+        signed: set[tuple[int, int]] = set()
+        heads, refused, skipped = {}, 0, {"unfit": 0, "out_ranked": 0}
+        while loop.time() < deadline:
+            for fragment in range(fragments):
+                raw = await self.transport.get(rounds_key(self.run, fragment))
+                committed: dict[int, list[RoundRecord]] = {}
+                for value, _expiration in raw.values():
+                    record = open_record(self.run, value)
+                    if record is not None and record.synchronizer in self.victims:
+                        committed.setdefault(record.round, []).append(record)
+                if not committed:
+                    continue
+                head = heads[fragment] = max(committed)
+                for target in range(max(head - lookback, 0), head - FINALITY_DEPTH):
+                    ours = committed.get(target, [])
+                    if (fragment, target) in signed:
+                        continue
+                    if len(ours) != 1 or ours[0].synchronizer == me.peer_id:
+                        skipped["unfit"] += 1
+                        continue
+                    order = synchronizer_order(self.run, target, fragment, [me.peer_id, ours[0].synchronizer])
+                    if order[0] != me.peer_id:
+                        skipped["out_ranked"] += 1
+                        continue  # its key does not out-rank this round's synchronizer
+                    record = RoundRecord(
+                        round=target, fragment=fragment, synchronizer=me.peer_id, hash=f"late{target:028x}",
+                        parent=ours[0].parent, digest=Identity.generate().peer_id[-32:],
+                        closed_at=self.transport.now(), contributors=((me.peer_id, 1.0, 64),), holders=(me.peer_id,),
+                    )  # fmt: skip
+                    stored = await self.transport.store(
+                        rounds_key(self.run, fragment), record_subkey(target, me.peer_id),
+                        seal_record(me, self.run, record), self.transport.now() + 600,
+                    )  # fmt: skip
+                    if stored:
+                        signed.add((fragment, target))
+                    else:
+                        refused += 1
+            await asyncio.sleep(1.0)
+        return {
+            "records_signed": len(signed), "rounds": sorted(r for _, r in signed), "heads": heads,
+            "refused": refused, "skipped": skipped, "key": me.peer_id,
+        }  # fmt: skip
 
     async def replayed_beats(self, wait_s: float = 10.0) -> dict:
         """Issue 28, item 1: capture each victim's signed beat, wait until newer ones were

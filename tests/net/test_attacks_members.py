@@ -15,16 +15,18 @@ from pathlib import Path
 
 import pytest
 
-from .harness import start_peer_processes
+from .harness import start_peer_processes, write_identity
 from .swarm_util import (
     Events,
     adversary_results,
     applied,
+    applied_hashes_by_round,
     join_args,
     launch_adversary,
     start_bootstrap,
     start_learners,
     wait_all,
+    wait_any,
 )
 
 pytestmark = pytest.mark.timeout(900)
@@ -32,25 +34,49 @@ pytestmark = pytest.mark.timeout(900)
 ROUND_WAIT_S = 300
 
 
-def test_sybils_replayed_beats_and_hijack_records_do_not_halt_an_open_run() -> None:
-    """One open run of 3 learners, one stranger with a stock DHT client and free keys:
-    30 Sybil heartbeats with the run's config hash; every honest peer's captured old beat
-    replayed with a far expiration; then, for 60 s, a record for each new round signed by
-    a fresh key ground to out-rank the honest synchronizers (the right parent, an update
-    that exists nowhere). Before: 0 rounds in 90 s (Sybils), and no round after the first
-    hijacked one. Now every peer goes on applying honest rounds with identical hashes."""
+def test_sybils_replayed_beats_and_hijack_records_do_not_halt_an_open_run(tmp_path) -> None:
+    """One open run of 3 learners, one stranger with a stock DHT client and free keys.
+    First (issue 42, item 1) the key of a fourth learner, merged once and gone since,
+    signs for 20 s late rivals of old rounds its key out-ranks the elected synchronizer
+    in (it was no candidate then), with the right parent and a current close time: before,
+    every replica dropped the rounds after such a rival and waited for a state nobody has;
+    now the rounds are final and every replica goes on. Then 30 Sybil heartbeats with the
+    run's config hash; every honest peer's captured old beat replayed with a far
+    expiration; then, for 60 s, a record for each new round signed by a fresh key ground
+    to out-rank the honest synchronizers (the right parent, an update that exists
+    nowhere). Before: 0 rounds in 90 s (Sybils), and no round after the first hijacked
+    one. Now every peer goes on applying honest rounds with identical hashes."""
     boot = start_bootstrap()
-    peers = start_learners(3, boot.maddrs, sets=["sync.min_quorum=2"], flags=["--max-rounds", "500"])
-    logs = [Events(p) for p in peers]
+    named_key = tmp_path / "named.key"
+    named = write_identity(named_key)
+    everyone = start_learners(
+        4, boot.maddrs, sets=["sync.min_quorum=2"], flags=["--max-rounds", "500"],
+        per_peer=lambda i: ["--identity", str(named_key)] if i == 3 else [],
+    )  # fmt: skip
+    peers, leaver = everyone[:3], everyone[3]
+    assert leaver.peer_id == named
+    logs = [Events(p) for p in everyone]
+    wait_any(logs, lambda e: e.get("event") == "round_closed" and named in e["contributors"], ROUND_WAIT_S)
+    leaver.request_stop(signal.SIGTERM)  # merged once: the chain names it; then it leaves
+    assert leaver.wait_exit(60) == 0
+    logs = logs[:3]
     honest = sorted(p.peer_id for p in peers)
     wait_all(logs, applied(1), ROUND_WAIT_S)
+    before_late = max(log.latest_round() for log in logs)
 
-    attacker = launch_adversary(boot, honest, "sybil_heartbeats,replayed_beats,hijacked_rounds")
+    attacker = launch_adversary(
+        boot, honest, "late_rivals,sybil_heartbeats,replayed_beats,hijacked_rounds",
+        env={"LATE_RIVAL_KEY": str(named_key)},
+    )  # fmt: skip
     attacker.wait_ready(180)
     before_hijack = None
 
     def on_result(event: dict) -> None:
         nonlocal before_hijack
+        if event["attack"] == "late_rivals":  # the rivals stay in the DHT: rounds went on
+            for log in logs:
+                log.drain(quiet_s=0.5, max_s=2.0)
+            assert min(log.latest_round() for log in logs) > before_late, "a late rival stalled a replica"
         if event["attack"] == "replayed_beats":  # the hijack starts now, for 60 s
             for log in logs:
                 log.drain(quiet_s=0.5, max_s=2.0)
@@ -62,6 +88,7 @@ def test_sybils_replayed_beats_and_hijack_records_do_not_halt_an_open_run() -> N
     assert results["sybil_heartbeats"]["stored"] >= 30 and results["sybil_heartbeats"]["config_hash"]
     assert results["replayed_beats"]["replayed"] >= 1
     assert results["hijacked_rounds"]["records_signed"] >= 3  # it had new heads to hijack
+    assert results["late_rivals"]["records_signed"] >= 1, results["late_rivals"]  # it out-ranked some
     for log in logs:
         log.drain(quiet_s=1.0, max_s=5.0)
     # during the 60 s of hijack records, every peer went on applying honest rounds
@@ -70,7 +97,12 @@ def test_sybils_replayed_beats_and_hijack_records_do_not_halt_an_open_run() -> N
     for key in set.intersection(*(set(t) for t in tables)):
         assert len({t[key] for t in tables}) == 1, key
     hijacked = {f"{r:032x}" for r in range(0, before_hijack + 10_000)}
-    assert not any(h in hijacked for t in tables for h in t.values())
+    assert not any(h in hijacked or h.startswith("late") for t in tables for h in t.values())
+    # the late rivals (still in the DHT) rewound nobody: each replica applies 3 more rounds
+    # (by rank alone each dropped to a rival and waited for a state nobody has)
+    wait_all(logs, applied(max(log.latest_round() for log in logs) + 3), ROUND_WAIT_S)
+    for log in logs:
+        assert all(len(hashes) == 1 for hashes in applied_hashes_by_round(log).values())
     closed = [e for log in logs for e in log.of("round_closed") if e["round"] > before_hijack]
     assert closed
     # only honest peers closed rounds (these are their own logs) and contributed to them
