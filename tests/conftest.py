@@ -52,9 +52,10 @@ def tiny_corpus(tiny_config: RunConfig) -> Corpus:
 
 
 LONGEST_FIRST = (
+    "net/test_nat.py",
+    "net/test_sim_agreement.py",
     "net/test_attacks_audits.py",
     "net/test_attacks_members.py",
-    "net/test_sim_agreement.py",
     "net/test_attacks_transport.py",
     "net/test_swarm.py",
     "net/test_certified.py",
@@ -63,8 +64,9 @@ LONGEST_FIRST = (
     "net/test_attacks_replica.py",
     "net/test_attacks.py",
 )
-"""Test files whose tests take the longest (about 50-140 s each on an idle 2-core machine,
-`--durations`), longest first. The order only schedules, it never skips."""
+"""Test files whose tests take the longest (about 50-200 s each on an idle 2-core machine
+with three workers, `--durations`; the NAT test runs where iptables is installed, as in
+CI), longest first. The order only schedules, it never skips."""
 
 
 def _schedule_rank(item: pytest.Item) -> tuple[int, int]:
