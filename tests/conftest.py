@@ -83,3 +83,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     tests instead of one worker finishing a 2-minute swarm alone (a stable sort: within a
     file the order is the file's)."""
     items.sort(key=_schedule_rank)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep the config. This runs in xdist's controller too, which is where the workers'
+    reports arrive and the only process whose output is shown (collection hooks run in
+    the workers alone); the terminal reporter may not be registered yet. It lives here,
+    not in tests/net/conftest.py: the controller never collects, so it never loads a
+    conftest below this one (a rerun's cause was never printed)."""
+    global _config
+    _config = config
+
+
+_config: pytest.Config | None = None
+"""pytest's config, once configured."""
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Print why a networked test needed its rerun (pytest shows only final failures), so a
+    flake in CI can be explained from its log."""
+    terminal = _config.pluginmanager.get_plugin("terminalreporter") if _config else None
+    if report.outcome == "rerun" and terminal is not None:
+        lines = report.longreprtext.splitlines()
+        terminal.write_line(f"\nRERUN CAUSE {report.nodeid}:")
+        for line in lines[-40:]:
+            terminal.write_line(f"    {line}")
