@@ -17,6 +17,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 
 from p2pdiloco import compress, wire
@@ -33,6 +34,7 @@ from p2pdiloco.protocol.rounds import (
     rounds_key,
     signed_record,
 )
+from p2pdiloco.roles import download
 from p2pdiloco.roles.replica import ReplicaSync
 from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
@@ -182,7 +184,8 @@ def test_a_lagging_peer_whose_update_was_evicted_everywhere_downloads_the_state(
         synchronizer, *others = swarm.by_id
         lagging = others[-1]
         for scale in (1.0, 2.0, 3.0):
-            record, update = synchronizer.commit(scale)
+            # the others are the learners the rounds merged: donors independent of round 3
+            record, update = synchronizer.commit(scale, named=tuple(p.peer_id for p in others))
             await synchronizer.install(record, update)
             await sync_all(others, passes=1)
         # one more round the lagging peer misses, then every update frame is evicted
@@ -205,8 +208,9 @@ def test_a_round_nobody_can_serve_is_re_run_by_a_superseding_record_every_peer_f
     follows it (signed data), including the replicas that had applied the lost update."""
 
     async def body(swarm: Swarm) -> None:
-        synchronizer, holder, rerunner, *_rest = swarm.by_id
-        lost, update = synchronizer.commit(1.0, holders=(holder.peer_id,))
+        synchronizer, holder, rerunner, *rest = swarm.by_id
+        # it merged the others' deltas: those it can later take the re-run's state from
+        lost, update = synchronizer.commit(1.0, holders=(holder.peer_id,), named=tuple(p.peer_id for p in rest))
         await synchronizer.install(lost, update)
         holder.replicas.keep(update)
         swarm.kill(synchronizer, holder)
@@ -371,5 +375,67 @@ def test_a_late_rival_that_outranks_a_final_round_rewinds_no_replica() -> None:
             chain = await peer.replicas.read_chain(0)
             assert max(chain) == 7 and chain[2].synchronizer == synchronizer.peer_id
             assert peer.state.round_of(0) == 8 and peer.hash() == head
+
+    scenario(3, body)
+
+
+@pytest.mark.parametrize("vouching", [True, False], ids=["vouched", "by-hash-alone"])
+def test_a_signer_whose_updates_exist_nowhere_cannot_hand_replicas_its_own_state(
+    vouching: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer the chain named once signs records for the next 10 rounds whose updates
+    exist nowhere, the last naming the hash of a state it made, and serves that state.
+    The honest replicas are then more than `MAX_CATCH_UP_ROUNDS` behind and cannot fetch
+    the updates. By hash alone (what a download checked before; `by-hash-alone` turns the
+    rule off) every one of them, the honest synchronizer included, installs the
+    attacker's state. A state is taken only from a donor that vouches for the records it
+    skips (`download.unvouched`): nobody installs it, and the round's synchronizer re-runs
+    the round, which every replica follows."""
+    if not vouching:
+        monkeypatch.setattr(download, "unvouched", lambda span, donor, known: "")
+
+    async def body(swarm: Swarm) -> None:
+        synchronizer, learner, attacker = swarm.by_id
+        for round_id in range(4):
+            named = (learner.peer_id, attacker.peer_id) if round_id == 1 else (learner.peer_id,)
+            record, update = synchronizer.commit(1.0 + round_id, named=named)
+            await synchronizer.install(record, update)
+            await sync_all([learner, attacker], passes=1)
+        honest = synchronizer.hash()
+        # the attacker's branch: real states (so the last hash is one it can serve), records
+        # signed by its own key, update digests of nothing
+        state, first = attacker.state.export_fragment(0), None
+        for round_id in range(4, 14):
+            grad = {"w": torch.full((4, 4), 50.0), "b": torch.full((4,), 50.0)}
+            parent, state = state.hash, outer_update(state, grad, OUTER)
+            forged = signed_record(
+                attacker.transport.identity, RUN,
+                RoundRecord(
+                    round=round_id, fragment=0, synchronizer=attacker.peer_id, hash=state.hash, parent=parent,
+                    digest=f"{round_id:064x}", contributors=((attacker.peer_id, 1.0, 64),),
+                    closed_at=attacker.transport.now(),
+                ),
+            )  # fmt: skip
+            first = first or forged
+            swarm.network._store(
+                rounds_key(RUN, 0), record_subkey(round_id, attacker.peer_id), forged.sealed,
+                attacker.transport.now() + 3600,
+            )  # fmt: skip
+        attacker.state.install_download(state)  # served at round 14, as its heartbeat says
+        honest_peers = [synchronizer, learner]
+        await sync_all(honest_peers)
+        for peer in honest_peers:
+            assert (await peer.replicas.read_chain(0))[13].synchronizer == attacker.peer_id
+        if not vouching:
+            assert {p.hash() for p in honest_peers} == {state.hash}  # the attacker's model
+            return
+        assert {(p.state.round_of(0), p.hash()) for p in honest_peers} == {(4, honest)}
+        # the round's synchronizer re-runs round 4 (nobody could get its update): one chain
+        assert synchronizer.replicas.supersedable(0, 4) == first.digest
+        rerun, again = synchronizer.commit(9.0, supersedes=first.digest, named=(learner.peer_id,))
+        await synchronizer.install(rerun, again)
+        await sync_all(honest_peers)
+        for peer in honest_peers:
+            assert max(await peer.replicas.read_chain(0)) == 4 and peer.hash() == rerun.hash
 
     scenario(3, body)

@@ -6,7 +6,9 @@ counts only when its checked copies hash to a record of the canonical chain at (
 `MAX_DONOR_LAG_ROUNDS` of) the chain's head: a donor can make a download fail, never land,
 and never roll a joiner back to an older state of the chain. A state is refused at its
 first part when it names another round or hash (a stale donor costs one part, not a
-fragment). Donors are spread over, at most `MAX_DONORS` are tried, and the whole download
+fragment). A hash is only what the record's signer says: a state is taken only where the
+records it skips were signed by more than one key, or from a donor independent of them
+(`unvouched`, docs/security.md "No state without proof"). Donors are spread over, at most `MAX_DONORS` are tried, and the whole download
 has one deadline. Nothing here takes the replica's lock: `fetch_verified` only downloads
 and checks; the replica installs under its lock afterwards, after checking again.
 """
@@ -17,7 +19,7 @@ import asyncio
 import logging
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 
 from p2pdiloco import wire
@@ -38,6 +40,44 @@ MAX_DONORS = 4
 MAX_DONOR_LAG_ROUNDS = 1
 """Rounds below the chain's head a downloaded state may stand at (a donor that has not yet
 applied the newest round): an older state of the chain is refused."""
+
+
+MIN_SPAN_SIGNERS = 2
+"""Distinct synchronizers the records a download skips must have signed for the state to
+be taken from any donor (`unvouched`)."""
+
+
+def span_of(chain: dict[int, RoundRecord], applied: dict[int, str]) -> list[RoundRecord]:
+    """The records of `chain` a state download at its head makes this replica skip
+    without checking them itself: from the first round, at or above the oldest one it
+    holds a hash of (`applied`: round -> hash after it), whose record it did not apply,
+    on (pure). A joiner with nothing skips the whole chain."""
+    floor = min(applied, default=-1)
+    skipped = sorted(r for r in chain if r >= floor and applied.get(r) != chain[r].hash)
+    return [chain[r] for r in range(skipped[0], max(chain) + 1) if r in chain] if skipped else []
+
+
+def unvouched(span: list[RoundRecord], donor: str, known: Collection[str]) -> str:
+    """Why the state at the end of `span` may not be installed from `donor`, or "" (pure).
+
+    A replica that downloads skips the updates of `span`: nothing it checked ties the
+    state to its own history, only the span's signatures. One key alone could sign
+    records whose updates exist nowhere and serve the state their last one names (a
+    proven peer in an open run, after one merged contribution). So the state is taken
+    only when the span was signed by `MIN_SPAN_SIGNERS` distinct synchronizers, or from
+    a donor that signed none of it and that this replica `known`s: named by a record it
+    applied itself (a peer the run merged before: a free identity cannot vouch). The
+    replica passes no span at all when it fetched every update of the span (they exist,
+    for its audits and everyone's: `ReplicaSync.span_available`). Otherwise it replays
+    the span's updates, each hash-checked, or stays where it is."""
+    signers = {r.synchronizer for r in span}
+    if len(signers) >= MIN_SPAN_SIGNERS:
+        return ""
+    if donor in signers:
+        return "the donor signed every record the state would skip"
+    if donor not in known:
+        return "one key signed every record the state would skip and no round this replica applied named the donor"
+    return ""
 
 
 def acceptable_state(round_id: int, hash_: str, chain: dict[int, RoundRecord]) -> RoundRecord | str:
@@ -102,16 +142,29 @@ class StateDownload:
         return (current + behind)[:MAX_DONORS]
 
     async def fetch_verified(
-        self, fragment: int, chain: dict[int, RoundRecord]
+        self,
+        fragment: int,
+        chain: dict[int, RoundRecord],
+        span: list[RoundRecord] | None = None,
+        known: Collection[str] = (),
     ) -> tuple[FragmentState, RoundRecord, str] | None:
         """A state of `fragment` at the head of `chain` (`acceptable_state`), its copies
         checked and hashed against the chain's record: (the state, its record, the donor),
-        or None. Installs nothing and takes no lock; at most `MAX_DONORS` donors, each with
-        a deadline, and one deadline for all."""
+        or None. Only donors that vouch for `span`, the records the download skips
+        (`unvouched`, with the peers this replica `known`s), are asked. Installs nothing and takes no lock; at most `MAX_DONORS`
+        donors, each with a deadline, and one deadline for all."""
         if not chain:
             return None
         head = max(chain) + 1
         donors = self.donors(fragment, head)
+        if span is not None:
+            refused = {d: why for d in donors if (why := unvouched(span, d, known))}
+            if refused:
+                log.warning(
+                    "state of fragment=%d round=%d refused from donors=%s reason=%r",
+                    fragment, head, [d[-8:] for d in refused], next(iter(refused.values())),
+                )  # fmt: skip
+            donors = [d for d in donors if d not in refused]
         if not donors:
             log.warning("no donor for fragment=%d round=%d", fragment, head)
             return None

@@ -52,7 +52,7 @@ from p2pdiloco.protocol.rounds import (
 )
 from p2pdiloco.roles import peer_records
 from p2pdiloco.roles.audits import Audits
-from p2pdiloco.roles.download import StateDownload
+from p2pdiloco.roles.download import MIN_SPAN_SIGNERS, StateDownload, span_of
 from p2pdiloco.roles.serving import UpdateServer
 from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.transport.base import Transport, TransportError, transfer_timeout_s
@@ -71,6 +71,11 @@ MAX_FETCH_PEERS = 6
 """Peers asked for one update before this sync pass gives up on it."""
 MAX_CATCH_UP_ROUNDS = 8
 """Behind by more rounds than this: download the fragment's state instead of replaying."""
+MAX_AVAILABILITY_ROUNDS = 2 * MAX_CATCH_UP_ROUNDS
+"""Longest span of one signer's records whose updates a replica fetches to see they exist
+before it takes a state from any donor (`span_available`)."""
+NAMED_APPLIED_ROUNDS = 64
+"""Rounds whose named peers a replica remembers as possible independent donors."""
 NOTIFY_ROUNDS = 64
 """Rounds behind the replica's own whose records learners are still told of."""
 
@@ -178,6 +183,9 @@ class ReplicaSync:
         this replica passed, as read from the DHT (again if it changes), so learners
         settle their deltas by what the swarm committed, not by what one peer said."""
         self._notified: list[dict[int, str]] = [{} for _ in state.fragments]
+        self._named_applied: list[dict[int, frozenset[str]]] = [{} for _ in state.fragments]
+        """Per fragment, round -> the peers named by the record this replica applied (the
+        last `NAMED_APPLIED_ROUNDS`): donors it may take a state from (`download.unvouched`)."""
         self._finals: list[tuple[int, str] | None] = [None for _ in state.fragments]
         """Per fragment, (round, hash after it) of the highest round final here (`final`)."""
 
@@ -413,7 +421,7 @@ class ReplicaSync:
             loop = asyncio.get_running_loop()
             installed = await loop.run_in_executor(self.worker, self.state.install, advanced, update.parent)
             if installed:
-                self.applied[fragment][record.round] = record.digest
+                self._applied(record)
                 self.audits.recent_norms[fragment].append(norm)
             return installed
 
@@ -463,7 +471,9 @@ class ReplicaSync:
                     return False
             current = self.state.round_of(fragment)
             if head - current > MAX_CATCH_UP_ROUNDS or (current < head and current not in chain):
-                if not await self._download(fragment, chain):
+                # far behind, a state is cheaper than the updates; refused (no donor vouches
+                # for the records it would skip), the updates are replayed where they can be
+                if not await self._download(fragment, chain) and current not in chain:
                     return False
             while (current := self.state.round_of(fragment)) < head and current in chain:
                 if await self._apply_record(chain[current]):
@@ -549,9 +559,17 @@ class ReplicaSync:
                 return False
             except ValueError as exc:
                 return self._refuse(record, str(exc))
-            self.applied[record.fragment][record.round] = record.digest
+            self._applied(record)
         self.audits.recent_norms[record.fragment].append(norm)
         return True
+
+    def _applied(self, record: RoundRecord) -> None:
+        """Book `record` as applied here (its update hash-checked, or this peer's own)."""
+        self.applied[record.fragment][record.round] = record.digest
+        named = self._named_applied[record.fragment]
+        named[record.round] = record.named
+        for old in [r for r in named if r <= record.round - NAMED_APPLIED_ROUNDS]:
+            del named[old]
 
     def _refuse(self, record: RoundRecord, reason: str) -> bool:
         """A committed update this replica cannot apply: skipped from now on (False)."""
@@ -687,12 +705,33 @@ class ReplicaSync:
         )
         return None
 
+    async def span_available(self, span: list[RoundRecord]) -> bool:
+        """Whether every update of `span` (records a state download would skip, signed by
+        one key) exists: each fetched and checked against its record's digest, so the
+        state the last one names is open to every replica's audit (an honest race lost
+        after a partition). Spans signed by several keys need no check; spans longer than
+        `MAX_AVAILABILITY_ROUNDS` are not checked (the donor must vouch for them)."""
+        if not span or len({r.synchronizer for r in span}) >= MIN_SPAN_SIGNERS:
+            return True
+        if len(span) > MAX_AVAILABILITY_ROUNDS:
+            return False
+        for record in span:
+            if await self._fetch(record) is None:
+                return False
+        return True
+
     async def _download(self, fragment: int, chain: dict[int, RoundRecord]) -> bool:
-        """The fragment's state from a donor at the head of `chain`, verified by hash
-        (`StateDownload.fetch_verified`, no lock held), then installed under the install
-        lock if it still moves this replica forward or onto the chain; True if installed
-        (or the replica got there meanwhile)."""
-        got = await self.downloads.fetch_verified(fragment, chain)
+        """The fragment's state from a donor at the head of `chain`, verified by hash and
+        vouched for (`download.unvouched`: the records it skips were signed by more than
+        one key, or the donor is independent of them; `StateDownload.fetch_verified`, no
+        lock held), then installed under the install lock if it still moves this replica
+        forward or onto the chain; True if installed (or the replica got there meanwhile)."""
+        span = span_of(chain, dict(self.state.applied_hashes[fragment]))
+        if await self.span_available(span):
+            got = await self.downloads.fetch_verified(fragment, chain)
+        else:
+            known = frozenset().union(*self._named_applied[fragment].values())
+            got = await self.downloads.fetch_verified(fragment, chain, span, known)
         if got is None:
             return False
         checked, record, donor = got
