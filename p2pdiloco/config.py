@@ -26,7 +26,7 @@ DEVICES = ("auto", "cpu", "cuda", "mps", "xla")
 MERGE_RULES = ("mean", "token", "radial", "trimmed")
 RADIAL_NORMS = ("mean", "median")
 ON_RECEIVE = ("overwrite", "rebase", "mix")
-CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "fp4", "topk")
+CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "fp4", "topk", "sparse2")
 TRANSPORTS = ("hivemind", "libp2p")
 SIMULATE_MODES = ("lockstep", "decoupled")
 
@@ -314,13 +314,17 @@ class CompressConfig:
     """Codecs for learner deltas and for the published outer gradient."""
 
     codec: str = "int8"
-    """Codec of learner deltas: fp32, fp16, bf16, int8, int4, fp4 or topk."""
+    """Codec of learner deltas: fp32, fp16, bf16, int8, int4, fp4, topk or sparse2."""
     outer_codec: str = "int8"
     """Codec of the merged outer gradient the synchronizer publishes."""
     block_size: int = 256
     """Elements per absmax-scale block of the int8/int4/fp4 codecs."""
     topk_fraction: float = 0.05
     """Share of entries the topk codec keeps."""
+    sparse_chunk: int = 4096
+    """Elements per chunk of the sparse2 codec (offsets take ceil(log2) bits: 12 for 4096)."""
+    sparse_k: int = 64
+    """Entries the sparse2 codec keeps per full chunk (64 of 4096: 1.56%, as SparseLoCo)."""
     error_feedback: bool = True
     """Keep what a lossy codec did not send and add it to the next delta (SparseLoCo)."""
     zstd: bool = False
@@ -335,6 +339,16 @@ class CompressConfig:
             f"must be even and in [2, 1048576], got {self.block_size}",
         )
         _within(self, "compress.topk_fraction", "(0, 1]")
+        _check(
+            2 <= self.sparse_chunk <= 1 << 16,
+            "compress.sparse_chunk",
+            f"must be in [2, 65536], got {self.sparse_chunk}",
+        )
+        _check(
+            1 <= self.sparse_k <= min(self.sparse_chunk, 65535),
+            "compress.sparse_k",
+            f"must be in [1, min(compress.sparse_chunk, 65535)], got {self.sparse_k}",
+        )
 
 
 @dataclass(frozen=True)

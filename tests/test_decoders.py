@@ -37,7 +37,9 @@ LIMITS = wire.WireLimits()
 RUN = "demo"
 META = {"peer": "12D3KooW", "base_round": 4, "tokens": 65536, "steps": 50, "step_time_s": 0.25}
 LAYOUT = [{"w": (8, 33), "b": (5,)}, {"e": (300,)}]
-FAST = settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(
+    max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 # Anything msgpack can carry, and then some: NaN, infinities, huge ints, nesting.
 junk = st.recursive(
@@ -130,7 +132,16 @@ def forbid(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> None:
     codec=st.sampled_from(CODECS) | junk,
     shape=shapes,
     meta=st.fixed_dictionaries(
-        {}, optional={"block": junk, "scale": junk, "k": junk, "index_bytes": junk, "zstd": junk}
+        {},
+        optional={
+            "block": junk,
+            "scale": junk,
+            "k": junk,
+            "index_bytes": junk,
+            "chunk": junk,
+            "nnz": junk,
+            "zstd": junk,
+        },
     )
     | junk,
     payload=st.binary(max_size=64) | junk,
@@ -159,7 +170,7 @@ def test_decode_tensor_gives_a_tensor_or_a_value_error_for_any_fields(
     edits=edits,
     cut=cuts,
     tail=st.binary(max_size=8),
-    meta_key=st.sampled_from(["block", "scale", "k", "index_bytes", "zstd", None]),
+    meta_key=st.sampled_from(["block", "scale", "k", "index_bytes", "chunk", "nnz", "zstd", None]),
     meta_value=junk,
 )
 def test_flipped_cut_or_relabelled_payloads_decode_to_the_shape_or_raise_value_error(

@@ -1,9 +1,9 @@
 """Compression of deltas and outer gradients, shaped as hivemind's compression package.
 
-`base` holds the codec interface, `casts`, `blockwise`, `topk` and `zstd` the codecs,
-`feedback` error feedback for the lossy ones, `registry` the codecs by name, and `tensors`
-the encoding and bounded decoding of named tensors. `from p2pdiloco import compress` then
-`compress.make_codec(...)`: this face hands on their public names.
+`base` holds the codec interface, `casts`, `blockwise`, `topk`, `sparse` and `zstd` the
+codecs, `feedback` error feedback for the lossy ones, `registry` the codecs by name, and
+`tensors` the encoding and bounded decoding of named tensors. `from p2pdiloco import
+compress` then `compress.make_codec(...)`: this face hands on their public names.
 """
 
 from p2pdiloco.compress.base import Codec as Codec

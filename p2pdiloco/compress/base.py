@@ -11,6 +11,7 @@ headers). The codecs live beside this module:
     fp32 / fp16 / bf16   plain casts (`casts`)
     int8 / int4 / fp4    blockwise absmax codes (`blockwise`)
     topk                 the k largest |x| (`topk`)
+    sparse2              the k largest |x| of every chunk, in 2 bits (`sparse`)
     +zstd                an optional lossless zstd stage on top of any of them (`zstd`)
 
 Byte layouts and expected errors are in docs/protocol.md ("Codecs").

@@ -14,6 +14,7 @@ import torch
 from p2pdiloco.compress.base import Codec
 from p2pdiloco.compress.blockwise import _Fp4Codec, _IntCodec
 from p2pdiloco.compress.casts import _CastCodec
+from p2pdiloco.compress.sparse import _SparseCodec
 from p2pdiloco.compress.topk import _TopkCodec
 from p2pdiloco.compress.zstd import _ZstdCodec
 from p2pdiloco.config import CODECS, CompressConfig
@@ -24,6 +25,8 @@ def make_codec(
     *,
     block_size: int = 256,
     topk_fraction: float = 0.05,
+    sparse_chunk: int = 4096,
+    sparse_k: int = 64,
     zstd: bool = False,
     scale_dtype: str = "auto",
 ) -> Codec:
@@ -43,6 +46,8 @@ def make_codec(
         codec = _Fp4Codec(block_size, scale_dtype)
     elif name == "topk":
         codec = _TopkCodec(topk_fraction)
+    elif name == "sparse2":
+        codec = _SparseCodec(sparse_chunk, sparse_k)
     else:
         raise ValueError(f"unknown codec {name!r}; choose one of {CODECS}")
     return _ZstdCodec(codec) if zstd else codec
@@ -54,6 +59,8 @@ def make_codec_from_config(cfg: CompressConfig, *, outer: bool = False) -> Codec
         cfg.outer_codec if outer else cfg.codec,
         block_size=cfg.block_size,
         topk_fraction=cfg.topk_fraction,
+        sparse_chunk=cfg.sparse_chunk,
+        sparse_k=cfg.sparse_k,
         zstd=cfg.zstd,
     )
 

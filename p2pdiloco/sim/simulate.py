@@ -83,7 +83,12 @@ def codec_channel(config: RunConfig, codec_name: str) -> DeltaChannel:
 
     c = config.compress
     codec = make_codec(
-        codec_name, block_size=c.block_size, topk_fraction=c.topk_fraction, zstd=c.zstd
+        codec_name,
+        block_size=c.block_size,
+        topk_fraction=c.topk_fraction,
+        sparse_chunk=c.sparse_chunk,
+        sparse_k=c.sparse_k,
+        zstd=c.zstd,
     )
     use_feedback = c.error_feedback and codec_name != "fp32"
     feedback: dict[int, ErrorFeedback] = {}
