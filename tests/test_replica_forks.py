@@ -384,7 +384,8 @@ def test_a_signer_whose_updates_exist_nowhere_cannot_hand_replicas_its_own_state
     vouching: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A peer the chain named once signs records for the next 10 rounds whose updates
-    exist nowhere, the last naming the hash of a state it made, and serves that state.
+    exist nowhere (every other one with a free key it names), the last naming the hash of
+    a state it made, and serves that state.
     The honest replicas are then more than `MAX_CATCH_UP_ROUNDS` behind and cannot fetch
     the updates. By hash alone (what a download checked before; `by-hash-alone` turns the
     rule off) every one of them, the honest synchronizer included, installs the
@@ -402,30 +403,33 @@ def test_a_signer_whose_updates_exist_nowhere_cannot_hand_replicas_its_own_state
             await synchronizer.install(record, update)
             await sync_all([learner, attacker], passes=1)
         honest = synchronizer.hash()
-        # the attacker's branch: real states (so the last hash is one it can serve), records
-        # signed by its own key, update digests of nothing
+        # the attacker's branch: real states (so the last hash is one it can serve), update
+        # digests of nothing, records signed by its own key and, every other round, by a
+        # free key its records name as a contributor (a second signer costs it nothing)
+        sybil = Identity.generate()
         state, first = attacker.state.export_fragment(0), None
         for round_id in range(4, 14):
             grad = {"w": torch.full((4, 4), 50.0), "b": torch.full((4,), 50.0)}
             parent, state = state.hash, outer_update(state, grad, OUTER)
+            signer = sybil if round_id % 2 else attacker.transport.identity
             forged = signed_record(
-                attacker.transport.identity, RUN,
+                signer, RUN,
                 RoundRecord(
-                    round=round_id, fragment=0, synchronizer=attacker.peer_id, hash=state.hash, parent=parent,
-                    digest=f"{round_id:064x}", contributors=((attacker.peer_id, 1.0, 64),),
+                    round=round_id, fragment=0, synchronizer=signer.peer_id, hash=state.hash, parent=parent,
+                    digest=f"{round_id:064x}", contributors=((signer.peer_id, 1.0, 64), (sybil.peer_id, 1.0, 64)),
                     closed_at=attacker.transport.now(),
                 ),
             )  # fmt: skip
             first = first or forged
             swarm.network._store(
-                rounds_key(RUN, 0), record_subkey(round_id, attacker.peer_id), forged.sealed,
+                rounds_key(RUN, 0), record_subkey(round_id, signer.peer_id), forged.sealed,
                 attacker.transport.now() + 3600,
             )  # fmt: skip
         attacker.state.install_download(state)  # served at round 14, as its heartbeat says
         honest_peers = [synchronizer, learner]
         await sync_all(honest_peers)
         for peer in honest_peers:
-            assert (await peer.replicas.read_chain(0))[13].synchronizer == attacker.peer_id
+            assert (await peer.replicas.read_chain(0))[13].synchronizer in (attacker.peer_id, sybil.peer_id)
         if not vouching:
             assert {p.hash() for p in honest_peers} == {state.hash}  # the attacker's model
             return

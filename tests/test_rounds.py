@@ -573,7 +573,7 @@ def test_a_rerun_supersedes_a_record_nobody_built_on_once_old_enough_by_signed_t
     lost = timed(3, winner_id, 1000.0, parent="h2", hash="h3-lost", digest="d-lost")
     rerun = timed(3, loser_id, 1000.0 + 60, parent="h2", hash="h3", digest="d-rerun")
     rerun = dataclasses_replace(rerun, supersedes="d-lost")
-    base = [timed(2, C, 990.0, parent="h1", hash="h2")]
+    base = [timed(2, C, 990.0, parent="h1", hash="h2", contributors=((D, 1.0, 1),))]  # D merged before
     # without supersession the better-ranked original wins
     assert canonical_chain(RUN, [*base, lost, dataclasses_replace(rerun, supersedes="")], GENESIS)[3] == lost
     assert canonical_chain(RUN, [*base, lost, rerun], GENESIS, supersede_after_s=60)[3] == rerun
@@ -589,6 +589,22 @@ def test_a_rerun_supersedes_a_record_nobody_built_on_once_old_enough_by_signed_t
     late_child = timed(4, D, 1000.0 + 90, parent="h3-lost", hash="h4")
     chain = canonical_chain(RUN, [*base, lost, rerun, late_child], GENESIS, supersede_after_s=60)
     assert chain == {2: base[0], 3: rerun}
+
+
+def test_children_by_the_records_own_signer_or_a_key_it_named_do_not_keep_it_from_a_rerun() -> None:
+    """An original whose update exists nowhere, built on by its own signer and by a free
+    key it named (records it signs at once, so they close before any re-run): the re-run
+    still supersedes it. A child by a peer the ancestry named (one that applied it) keeps it."""
+    winner_id, loser_id = ordered(3, A, B)
+    base = [timed(2, C, 990.0, parent="h1", hash="h2", contributors=((D, 1.0, 1),))]
+    lost = timed(3, winner_id, 1000.0, parent="h2", hash="h3-lost", digest="d-lost",
+                 contributors=(("free-key-it-named", 1.0, 1),))
+    rerun = dataclasses_replace(timed(3, loser_id, 1060.0, parent="h2", hash="h3", digest="d-r"), supersedes="d-lost")
+    own_child = timed(4, winner_id, 1001.0, parent="h3-lost", hash="h4")
+    named_child = timed(4, "free-key-it-named", 1002.0, parent="h3-lost", hash="h4e")
+    assert superseded_digests([*base, lost, rerun, own_child, named_child], 60) == {"d-lost"}
+    independent = timed(4, D, 1003.0, parent="h3-lost", hash="h4d")
+    assert superseded_digests([*base, lost, rerun, independent], 60) == frozenset()
 
 
 def test_a_rerun_naming_a_record_of_another_parent_or_round_supersedes_nothing() -> None:

@@ -42,10 +42,10 @@ def test_after_a_download_the_rounds_below_it_are_not_skipped_again() -> None:
     assert [r.round for r in span_of(chain, applied)] == [7, 8, 9]
 
 
-def test_a_span_signed_by_two_keys_is_taken_from_any_donor() -> None:
+def test_a_span_signed_by_two_known_keys_is_taken_from_any_donor() -> None:
     span = [record(4, "a"), record(5, "b")]
-    assert unvouched(span, "a", set()) == ""
-    assert unvouched(span, "stranger", set()) == ""
+    assert unvouched(span, "a", {"a", "b"}) == ""
+    assert unvouched(span, "stranger", {"a", "b", "c"}) == ""
 
 
 def test_one_keys_span_is_taken_only_from_a_known_donor_that_signed_none_of_it() -> None:
@@ -58,3 +58,14 @@ def test_one_keys_span_is_taken_only_from_a_known_donor_that_signed_none_of_it()
 def test_an_empty_span_needs_a_known_donor() -> None:
     assert unvouched([], "learner", {"learner"}) == ""
     assert unvouched([], "stranger", {"learner"}) != ""
+
+
+def test_a_second_signer_the_span_itself_named_does_not_count() -> None:
+    """A key named once signs, then a free key it named as a contributor signs the next
+    round: two signers, one of them known. Only a donor the replica knows may serve it."""
+    span = [record(4, "attacker", ("sybil",)), record(5, "sybil", ("sybil",))]
+    known = {"attacker", "learner"}
+    assert unvouched(span, "sybil", known) != ""
+    assert unvouched(span, "attacker", known) != ""
+    assert unvouched(span, "learner", known) == ""
+    assert unvouched(span, "stranger", set()) == ""  # knowing nobody (a joiner), any two keys

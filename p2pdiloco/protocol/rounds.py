@@ -330,28 +330,55 @@ def superseded_digests(
 
     A record S supersedes T when S names T's digest, both are of the same round and
     parent, S was closed at least `supersede_after_s` after T (signed times), and no
-    record built on T (next round, parent T's hash) was closed before S: once anyone
-    committed on T, T was served and applied, and stays.
+    record built on T (next round, parent T's hash) by an independent synchronizer was
+    closed before S: once another peer committed on T, T was served and applied, and
+    stays. Independent: not T's own synchronizer, and named by a record of T's ancestry
+    when T has one in the records (a key T itself made a contributor does not count).
+    Otherwise T's signer, or a free key it named, could build on an update that exists
+    nowhere and make it impossible to re-run: every replica would wait on it for good.
     """
     records = list(records)
     by_digest: dict[tuple[int, str], list[RoundRecord]] = {}
-    children_closed: dict[tuple[int, str], float] = {}
+    children: dict[tuple[int, str], list[RoundRecord]] = {}
+    index: dict[tuple[int, str], list[RoundRecord]] = {}
     for record in records:
         by_digest.setdefault((record.round, record.digest), []).append(record)
-        key = (record.round - 1, record.parent)
-        children_closed[key] = min(children_closed.get(key, math.inf), record.closed_at)
+        children.setdefault((record.round - 1, record.parent), []).append(record)
+        index.setdefault((record.round, record.hash), []).append(record)
     out: set[str] = set()
     for rerun in records:
         if not rerun.supersedes or rerun.supersedes == rerun.digest:
             continue
         for target in by_digest.get((rerun.round, rerun.supersedes), ()):
-            if (
-                target.parent == rerun.parent
-                and rerun.closed_at - target.closed_at >= supersede_after_s
-                and children_closed.get((target.round, target.hash), math.inf) >= rerun.closed_at
-            ):
+            if target.parent != rerun.parent or rerun.closed_at - target.closed_at < supersede_after_s:
+                continue
+            ancestry = _names_of_ancestry(target, index)
+            built_on = [
+                c for c in children.get((target.round, target.hash), ())
+                if c.closed_at < rerun.closed_at and c.synchronizer != target.synchronizer
+                and (ancestry is None or c.synchronizer in ancestry)
+            ]  # fmt: skip
+            if not built_on:
                 out.add(target.digest)
     return frozenset(out)
+
+
+def _names_of_ancestry(
+    record: RoundRecord, index: dict[tuple[int, str], list[RoundRecord]], lookback: int = 64
+) -> set[str] | None:
+    """Peers named by the records of `record`'s ancestry (`lookback` rounds back, at most
+    8 records a round), or None when none of its parents is among the records."""
+    frontier = index.get((record.round - 1, record.parent), [])
+    if not frontier:
+        return None
+    names: set[str] = set()
+    for _ in range(lookback):
+        if not frontier:
+            break
+        for ancestor in frontier:
+            names |= ancestor.named
+        frontier = [a for r in frontier for a in index.get((r.round - 1, r.parent), [])][:8]
+    return names
 
 
 PROVEN_LOOKBACK = 256

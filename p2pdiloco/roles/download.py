@@ -64,14 +64,17 @@ def unvouched(span: list[RoundRecord], donor: str, known: Collection[str]) -> st
     state to its own history, only the span's signatures. One key alone could sign
     records whose updates exist nowhere and serve the state their last one names (a
     proven peer in an open run, after one merged contribution). So the state is taken
-    only when the span was signed by `MIN_SPAN_SIGNERS` distinct synchronizers, or from
-    a donor that signed none of it and that this replica `known`s: named by a record it
-    applied itself (a peer the run merged before: a free identity cannot vouch). The
+    only when the span was signed by `MIN_SPAN_SIGNERS` distinct synchronizers that this
+    replica `known`s (named by a record it applied itself: a key the span's own records
+    name, a Sybil its first signer made a contributor, does not count), or from a donor
+    that signed none of it and that it knows (a peer the run merged before: a free
+    identity cannot vouch). A replica that knows nobody (a joiner, a restart) counts
+    every signer: it trusts the chain's rules and two keys (docs/security.md). The
     replica passes no span at all when it fetched every update of the span (they exist,
     for its audits and everyone's: `ReplicaSync.span_available`). Otherwise it replays
     the span's updates, each hash-checked, or stays where it is."""
     signers = {r.synchronizer for r in span}
-    if len(signers) >= MIN_SPAN_SIGNERS:
+    if len(signers & known if known else signers) >= MIN_SPAN_SIGNERS:
         return ""
     if donor in signers:
         return "the donor signed every record the state would skip"

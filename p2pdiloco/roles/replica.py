@@ -705,13 +705,14 @@ class ReplicaSync:
         )
         return None
 
-    async def span_available(self, span: list[RoundRecord]) -> bool:
-        """Whether every update of `span` (records a state download would skip, signed by
-        one key) exists: each fetched and checked against its record's digest, so the
-        state the last one names is open to every replica's audit (an honest race lost
-        after a partition). Spans signed by several keys need no check; spans longer than
-        `MAX_AVAILABILITY_ROUNDS` are not checked (the donor must vouch for them)."""
-        if not span or len({r.synchronizer for r in span}) >= MIN_SPAN_SIGNERS:
+    async def span_available(self, span: list[RoundRecord], known: frozenset[str]) -> bool:
+        """Whether every update of `span` (records a state download would skip) exists:
+        each fetched and checked against its record's digest, so the state the last one
+        names is open to every replica's audit (an honest race lost after a partition).
+        Spans signed by two keys this replica knows (`download.unvouched`) need no check;
+        spans longer than `MAX_AVAILABILITY_ROUNDS` are not checked (a donor must vouch)."""
+        signers = {r.synchronizer for r in span}
+        if not span or len(signers & known if known else signers) >= MIN_SPAN_SIGNERS:
             return True
         if len(span) > MAX_AVAILABILITY_ROUNDS:
             return False
@@ -727,10 +728,10 @@ class ReplicaSync:
         lock held), then installed under the install lock if it still moves this replica
         forward or onto the chain; True if installed (or the replica got there meanwhile)."""
         span = span_of(chain, dict(self.state.applied_hashes[fragment]))
-        if await self.span_available(span):
+        known = frozenset().union(*self._named_applied[fragment].values())
+        if await self.span_available(span, known):
             got = await self.downloads.fetch_verified(fragment, chain)
         else:
-            known = frozenset().union(*self._named_applied[fragment].values())
             got = await self.downloads.fetch_verified(fragment, chain, span, known)
         if got is None:
             return False
