@@ -68,4 +68,11 @@ def test_a_second_signer_the_span_itself_named_does_not_count() -> None:
     assert unvouched(span, "sybil", known) != ""
     assert unvouched(span, "attacker", known) != ""
     assert unvouched(span, "learner", known) == ""
-    assert unvouched(span, "stranger", set()) == ""  # knowing nobody (a joiner), any two keys
+    assert unvouched(span, "stranger", set()) == ""  # knowing nobody (a joiner): the chain's state
+
+
+def test_a_joiner_that_knows_nobody_takes_the_state_the_chain_names_from_any_donor() -> None:
+    """A replica with nothing applied has no history to tie a state to (docs/security.md:
+    what a joiner with nothing trusts); one key's span is taken even from its signer."""
+    span = [record(r, "s") for r in range(3)]
+    assert unvouched(span, "s", set()) == ""

@@ -68,13 +68,15 @@ def unvouched(span: list[RoundRecord], donor: str, known: Collection[str]) -> st
     replica `known`s (named by a record it applied itself: a key the span's own records
     name, a Sybil its first signer made a contributor, does not count), or from a donor
     that signed none of it and that it knows (a peer the run merged before: a free
-    identity cannot vouch). A replica that knows nobody (a joiner, a restart) counts
-    every signer: it trusts the chain's rules and two keys (docs/security.md). The
+    identity cannot vouch). A replica that knows nobody (a joiner with nothing) has no
+    history to tie a state to: it takes the one the chain names (docs/security.md). The
     replica passes no span at all when it fetched every update of the span (they exist,
     for its audits and everyone's: `ReplicaSync.span_available`). Otherwise it replays
     the span's updates, each hash-checked, or stays where it is."""
+    if not known:
+        return ""  # a joiner: nothing of its own to tie a state to, only the chain's rules
     signers = {r.synchronizer for r in span}
-    if len(signers & known if known else signers) >= MIN_SPAN_SIGNERS:
+    if len(signers & known) >= MIN_SPAN_SIGNERS:
         return ""
     if donor in signers:
         return "the donor signed every record the state would skip"

@@ -712,7 +712,7 @@ class ReplicaSync:
         Spans signed by two keys this replica knows (`download.unvouched`) need no check;
         spans longer than `MAX_AVAILABILITY_ROUNDS` are not checked (a donor must vouch)."""
         signers = {r.synchronizer for r in span}
-        if not span or len(signers & known if known else signers) >= MIN_SPAN_SIGNERS:
+        if not span or not known or len(signers & known) >= MIN_SPAN_SIGNERS:
             return True
         if len(span) > MAX_AVAILABILITY_ROUNDS:
             return False
@@ -727,8 +727,12 @@ class ReplicaSync:
         one key, or the donor is independent of them; `StateDownload.fetch_verified`, no
         lock held), then installed under the install lock if it still moves this replica
         forward or onto the chain; True if installed (or the replica got there meanwhile)."""
-        span = span_of(chain, dict(self.state.applied_hashes[fragment]))
-        known = frozenset().union(*self._named_applied[fragment].values())
+        applied = dict(self.state.applied_hashes[fragment])
+        span = span_of(chain, applied)
+        # peers named by the rounds this replica applied: those it booked, and those of the
+        # chain whose result it holds (after a restart, the checkpoint's round)
+        mine = (r.named for r in chain.values() if applied.get(r.round) == r.hash)
+        known = frozenset().union(*self._named_applied[fragment].values(), *mine)
         if await self.span_available(span, known):
             got = await self.downloads.fetch_verified(fragment, chain)
         else:
