@@ -379,9 +379,12 @@ def test_a_late_rival_that_outranks_a_final_round_rewinds_no_replica() -> None:
     scenario(3, body)
 
 
-@pytest.mark.parametrize("vouching", [True, False], ids=["vouched", "by-hash-alone"])
+@pytest.mark.parametrize(
+    ("vouching", "restarted"), [(True, False), (False, False), (True, True)],
+    ids=["vouched", "by-hash-alone", "after-a-restart"],
+)  # fmt: skip
 def test_a_signer_whose_updates_exist_nowhere_cannot_hand_replicas_its_own_state(
-    vouching: bool, monkeypatch: pytest.MonkeyPatch
+    vouching: bool, restarted: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A peer the chain named once signs records for the next 10 rounds whose updates
     exist nowhere (every other one with a free key it names), the last naming the hash of
@@ -391,7 +394,8 @@ def test_a_signer_whose_updates_exist_nowhere_cannot_hand_replicas_its_own_state
     rule off) every one of them, the honest synchronizer included, installs the
     attacker's state. A state is taken only from a donor that vouches for the records it
     skips (`download.unvouched`): nobody installs it, and the round's synchronizer re-runs
-    the round, which every replica follows."""
+    the round, which every replica follows. `after-a-restart`: the learner kept only its
+    checkpoint's round, and still knows who that round named."""
     if not vouching:
         monkeypatch.setattr(download, "unvouched", lambda span, donor, known: "")
 
@@ -403,6 +407,9 @@ def test_a_signer_whose_updates_exist_nowhere_cannot_hand_replicas_its_own_state
             await synchronizer.install(record, update)
             await sync_all([learner, attacker], passes=1)
         honest = synchronizer.hash()
+        if restarted:  # what a replica holds after a restart from its checkpoint at round 4
+            learner.replicas._named_applied[0].clear()
+            learner.state.applied_hashes[0] = {3: honest}
         # the attacker's branch: real states (so the last hash is one it can serve), update
         # digests of nothing, records signed by its own key and, every other round, by a
         # free key its records name as a contributor (a second signer costs it nothing)
