@@ -8,8 +8,8 @@ and never roll a joiner back to an older state of the chain. A state is refused 
 first part when it names another round or hash (a stale donor costs one part, not a
 fragment). A hash is only what the record's signer says: a state is taken only where the
 records it skips were signed by more than one key, or from a donor independent of them
-(`unvouched`, docs/security.md "No state without proof"). Donors are spread over, at most `MAX_DONORS` are tried, and the whole download
-has one deadline. Nothing here takes the replica's lock: `fetch_verified` only downloads
+(`unvouched`, docs/security.md "No state without proof"). Donors are spread over, at most
+`MAX_DONORS` are tried, and the whole download has one deadline. Nothing here takes the replica's lock: `fetch_verified` only downloads
 and checks; the replica installs under its lock afterwards, after checking again.
 """
 
@@ -57,6 +57,13 @@ def span_of(chain: dict[int, RoundRecord], applied: dict[int, str]) -> list[Roun
     return [chain[r] for r in range(skipped[0], max(chain) + 1) if r in chain] if skipped else []
 
 
+def vouched_by_signers(span: list[RoundRecord], known: Collection[str]) -> bool:
+    """Whether the span's signatures alone tie its state to this replica's history: it
+    knows nobody (a joiner with nothing: only the chain's rules), or `MIN_SPAN_SIGNERS`
+    distinct keys it `known`s signed the span (pure; `unvouched`)."""
+    return not known or len({r.synchronizer for r in span} & set(known)) >= MIN_SPAN_SIGNERS
+
+
 def unvouched(span: list[RoundRecord], donor: str, known: Collection[str]) -> str:
     """Why the state at the end of `span` may not be installed from `donor`, or "" (pure).
 
@@ -73,12 +80,9 @@ def unvouched(span: list[RoundRecord], donor: str, known: Collection[str]) -> st
     replica passes no span at all when it fetched every update of the span (they exist,
     for its audits and everyone's: `ReplicaSync.span_available`). Otherwise it replays
     the span's updates, each hash-checked, or stays where it is."""
-    if not known:
-        return ""  # a joiner: nothing of its own to tie a state to, only the chain's rules
-    signers = {r.synchronizer for r in span}
-    if len(signers & known) >= MIN_SPAN_SIGNERS:
+    if vouched_by_signers(span, known):
         return ""
-    if donor in signers:
+    if donor in {r.synchronizer for r in span}:
         return "the donor signed every record the state would skip"
     if donor not in known:
         return "one key signed every record the state would skip and no round this replica applied named the donor"
@@ -156,8 +160,9 @@ class StateDownload:
         """A state of `fragment` at the head of `chain` (`acceptable_state`), its copies
         checked and hashed against the chain's record: (the state, its record, the donor),
         or None. Only donors that vouch for `span`, the records the download skips
-        (`unvouched`, with the peers this replica `known`s), are asked. Installs nothing and takes no lock; at most `MAX_DONORS`
-        donors, each with a deadline, and one deadline for all."""
+        (`unvouched`, with the peers this replica `known`s), are asked. Installs nothing
+        and takes no lock; at most `MAX_DONORS` donors, each with a deadline, and one
+        deadline for all."""
         if not chain:
             return None
         head = max(chain) + 1

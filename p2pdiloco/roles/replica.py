@@ -52,7 +52,7 @@ from p2pdiloco.protocol.rounds import (
 )
 from p2pdiloco.roles import peer_records
 from p2pdiloco.roles.audits import Audits
-from p2pdiloco.roles.download import MIN_SPAN_SIGNERS, StateDownload, span_of
+from p2pdiloco.roles.download import StateDownload, span_of, vouched_by_signers
 from p2pdiloco.roles.serving import UpdateServer
 from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.transport.base import Transport, TransportError, transfer_timeout_s
@@ -709,10 +709,9 @@ class ReplicaSync:
         """Whether every update of `span` (records a state download would skip) exists:
         each fetched and checked against its record's digest, so the state the last one
         names is open to every replica's audit (an honest race lost after a partition).
-        Spans signed by two keys this replica knows (`download.unvouched`) need no check;
+        Spans the signatures vouch for (`download.vouched_by_signers`) need no check;
         spans longer than `MAX_AVAILABILITY_ROUNDS` are not checked (a donor must vouch)."""
-        signers = {r.synchronizer for r in span}
-        if not span or not known or len(signers & known) >= MIN_SPAN_SIGNERS:
+        if not span or vouched_by_signers(span, known):
             return True
         if len(span) > MAX_AVAILABILITY_ROUNDS:
             return False
