@@ -273,6 +273,26 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
     assert sorted(p.name for p in path.parent.iterdir()) == [FILE_NAME]
 
 
+def test_error_feedback_residuals_survive_a_restart(tmp_path: Path) -> None:
+    """The residual is local work (what sparse2 has not sent yet): saved and restored
+    bit for bit, with the model and optimizer of the same save."""
+    from p2pdiloco import compress
+
+    saved, codec = make_learner(3), compress.make_codec("sparse2")
+    saved.feedback = compress.ErrorFeedback()
+    generator = torch.Generator().manual_seed(3)
+    delta = {"w": torch.randn(NUMEL, generator=generator), "b": torch.randn(10, generator=generator)}
+    compress.encode_tensors(codec, delta, saved.feedback)
+    save_learner(tmp_path, saved, CONFIG_HASH)
+    learner = blank_learner()
+    learner.feedback = compress.ErrorFeedback()
+    assert load_learner(tmp_path, learner, CONFIG_HASH) is True
+    assert assert_consistent(learner) == 3
+    for name in delta:
+        assert torch.equal(learner.feedback.residual(name), saved.feedback.residual(name))
+    assert learner.feedback.residual("w").count_nonzero() > 0.98 * NUMEL  # 1.6% was sent
+
+
 def test_save_fsyncs_file_and_directory_and_removes_stale_temp_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -2,6 +2,10 @@
 exactly one delta in a committed round, or is still in its local progress at the end, or
 is reported lost with a reason.
 
+With a lossy codec and error feedback (sparse2) what the codec keeps back is local work,
+not lost work: per element, the bytes of the committed deltas plus the learner's
+residual plus its local progress are exactly the steps it computed.
+
 Real learners (`Learner`, its own ship / fold / take-over code) and real peers (replica,
 synchronizer, learner link) on the in-memory transport, one asyncio loop. The trainer
 moves every parameter by exactly -1 per step, so a delta's values *are* the steps it
@@ -38,7 +42,18 @@ LIMITS = wire.WireLimits()
 INITIAL = 1000.0  # parameters far from zero: deltas of a few steps are small beside them
 
 
-def config_for(min_quorum: int) -> RunConfig:
+CODECS = {
+    "fp32": {"codec": "fp32", "outer_codec": "fp32"},
+    # chunks of 8 keep 2 entries: w (16 elements) sends 4 a delta, b (4) sends 1
+    "sparse2": {"codec": "sparse2", "outer_codec": "fp32", "sparse_chunk": 8, "sparse_k": 2},
+}
+
+
+def config_for(min_quorum: int, codec: str = "fp32") -> RunConfig:
+    # Every entry of a toy delta is equal, so sparse2 picks by the residual alone and two
+    # learners' supports are often disjoint: a cosine of exactly 0, which the direction
+    # check refuses (real deltas overlap: test_screening). Work is what this test counts.
+    screening = {"min_loo_peers": 64} if codec != "fp32" else {}
     return replace(
         RunConfig(),
         model={"seq_len": 32},
@@ -50,7 +65,8 @@ def config_for(min_quorum: int) -> RunConfig:
             "round_deadline_s": 1.5,
             "commit_holders": 1,
         },
-        compress={"codec": "fp32", "outer_codec": "fp32"},
+        compress=CODECS[codec],
+        screening=screening,
     )
 
 
@@ -100,7 +116,7 @@ class Peer:
         )  # fmt: skip
         self.sync = Synchronizer(
             self.transport, RUN, config, self.state, self.members, LIMITS, self.replicas,
-            self.worker, on_event=self.events.append,
+            self.worker, on_event=self.events.append, screening_rules=config.screening,
         )  # fmt: skip
         self.link = LearnerLink(self.transport, RUN, config.sync, self.replicas, self.members, LIMITS)
 
@@ -122,10 +138,12 @@ class Peer:
         }
 
 
-async def run_swarm(min_quorum: int, speeds: list[int], rounds: int, max_ticks: int = 3000) -> list[Peer]:
+async def run_swarm(
+    min_quorum: int, speeds: list[int], rounds: int, max_ticks: int = 3000, codec: str = "fp32"
+) -> list[Peer]:
     """Learner i takes a step every `speeds[i]` ticks until the swarm committed `rounds`
     rounds (at most `max_ticks`: the test then fails); then every delta is decided."""
-    network, config = MemoryNetwork(), config_for(min_quorum)
+    network, config = MemoryNetwork(), config_for(min_quorum, codec)
     ids = [network.new_peer_id() for _ in speeds]
     peers = [Peer(network, config, ids, peer_id) for peer_id in ids]
     for peer in peers:
@@ -169,15 +187,16 @@ async def run_swarm(min_quorum: int, speeds: list[int], rounds: int, max_ticks: 
     return peers
 
 
-def merged_steps_by_peer(peers: list[Peer]) -> dict[str, int]:
-    """Steps each peer's deltas in the committed rounds carry, read from their bytes."""
+def merged_by_peer(peers: list[Peer]) -> dict[str, tuple[int, dict[str, torch.Tensor]]]:
+    """Per peer, the steps its deltas in the committed rounds claim and what their bytes
+    carry (decoded, summed per element)."""
     kept: dict[str, bytes] = {}
     for peer in peers:
         for round_id in range(peer.state.round_of(0)):
             for sealed in peer.sync.kept.get(round_id, 0) or []:
                 kept[contribution_digest(sealed)] = sealed
     reference = peers[0]
-    steps: dict[str, int] = {p.peer_id: 0 for p in peers}
+    merged = {p.peer_id: (0, {"w": torch.zeros(4, 4), "b": torch.zeros(4)}) for p in peers}
     for round_id in range(reference.state.round_of(0)):
         record = reference.replicas.committed(0, round_id)
         assert record is not None, f"round {round_id} has no record"
@@ -185,17 +204,19 @@ def merged_steps_by_peer(peers: list[Peer]) -> dict[str, int]:
             frame = open_contribution(RUN, peer_id, kept[digest], 1 << 30)
             assert isinstance(frame, bytes), frame
             message = wire.decode_message(frame, LIMITS)
-            delta = compress.decode_tensors(message.tensors)
             claimed = message.meta["steps"]
-            # the claim is the work the bytes carry: every element of the delta is `steps`
-            for tensor in delta.values():
-                assert torch.allclose(tensor, torch.full_like(tensor, float(claimed)), atol=1e-2), (
-                    f"round {round_id}: {peer_id[-6:]} claims {claimed} steps, its delta "
-                    f"carries {tensor.flatten()[0].item():.3f}"
-                )
             assert message.meta["tokens"] == claimed * TOKENS_PER_STEP
-            steps[peer_id] += claimed
-    return steps
+            steps, carried = merged[peer_id]
+            delta = compress.decode_tensors(message.tensors)
+            merged[peer_id] = (steps + claimed, {n: carried[n] + delta[n] for n in carried})
+            if message.tensors["w"].codec == "fp32":
+                # lossless: the claim is the work the bytes carry, every element is `steps`
+                for tensor in delta.values():
+                    assert torch.allclose(tensor, torch.full_like(tensor, float(claimed)), atol=1e-2), (
+                        f"round {round_id}: {peer_id[-6:]} claims {claimed} steps, its delta "
+                        f"carries {tensor.flatten()[0].item():.3f}"
+                    )
+    return merged
 
 
 @pytest.mark.parametrize(
@@ -203,22 +224,34 @@ def merged_steps_by_peer(peers: list[Peer]) -> dict[str, int]:
     [(1, [1, 1, 1, 1]), (2, [1, 1, 1, 1]), (2, [1, 2, 3, 5]), (1, [1, 3])],
     ids=["K1-of-4", "K2-of-4", "K2-of-4-heterogeneous", "K1-of-2-heterogeneous"],
 )
-def test_every_computed_step_is_merged_once_or_still_local(min_quorum: int, speeds: list[int]) -> None:
-    peers = asyncio.run(asyncio.wait_for(run_swarm(min_quorum, speeds, rounds=8), 300))
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_every_computed_step_is_merged_once_or_still_local(min_quorum: int, speeds: list[int], codec: str) -> None:
+    peers = asyncio.run(asyncio.wait_for(run_swarm(min_quorum, speeds, rounds=8, codec=codec), 300))
     hashes = {p.state.fragment_hash(0) for p in peers}
     assert len(hashes) == 1, "replicas differ"
     assert peers[0].state.round_of(0) >= 8, "the swarm committed its rounds"
-    merged = merged_steps_by_peer(peers)
+    merged = merged_by_peer(peers)
     for peer in peers:
         p, ledger = peer.learner.progress, peer.learner.book.ledgers[0]
+        steps, carried = merged[peer.peer_id]
         assert p.lost_steps == {}, f"fault-free, yet steps reported lost: {p.lost_steps}"
-        assert merged[peer.peer_id] == p.steps_contributed, "the learner's own booking agrees"
-        assert merged[peer.peer_id] + ledger.steps == p.step, (
-            f"{peer.peer_id[-6:]}: {p.step} computed, {merged[peer.peer_id]} merged, "
-            f"{ledger.steps} local"
+        assert steps == p.steps_contributed, "the learner's own booking agrees"
+        assert steps + ledger.steps == p.step, (
+            f"{peer.peer_id[-6:]}: {p.step} computed, {steps} merged, {ledger.steps} local"
         )
         # and the local progress really is those steps: theta - base == -steps
         base = peer.learner.bases[0][1]
         local = dict(peer.learner.trainer.model.named_parameters())
         for name, value in base.items():
             assert torch.allclose(local[name].detach() - value, torch.full_like(value, -float(ledger.steps)), atol=1e-2)
+        # per element: the bytes merged plus what error feedback holds back are the merged
+        # claims (held back is local work: it goes out with a later delta, never lost)
+        feedback = peer.learner.feedback
+        assert (feedback is None) == (codec == "fp32")
+        for name, value in carried.items():
+            residual = feedback.residual(name) if feedback is not None else None
+            held = torch.zeros_like(value) if residual is None else residual
+            assert torch.allclose(value + held, torch.full_like(value, float(steps)), atol=1e-2), (
+                f"{peer.peer_id[-6:]} {name}: {steps} steps merged, the bytes carry "
+                f"{value.flatten().tolist()}, error feedback holds {held.flatten().tolist()}"
+            )

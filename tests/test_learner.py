@@ -70,6 +70,10 @@ def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 
     return all(torch.allclose(a[n], b[n], atol=atol) for n in b)
 
 
+def with_codec(config, codec: str):
+    return dataclasses.replace(config, compress=dataclasses.replace(config.compress, codec=codec))
+
+
 def test_a_delta_is_never_taken_against_a_base_the_replica_has_passed(tiny_config, tiny_corpus) -> None:
     """The global state moves on before the loop took it over: the ship waits for the
     take-over, and the delta then carries all the local progress against the new base."""
@@ -180,6 +184,33 @@ def test_a_refused_delta_is_reported_lost_and_leaves_the_model(tiny_config, tiny
     assert learner.progress.lost_steps == {"refused": 2} and learner.book.ledgers[0].steps == 1
     lost = [e for e in events if e["event"] == "steps_lost"]
     assert lost and lost[0]["steps"] == 2 and lost[0]["reason"].startswith("refused")
+
+
+@pytest.mark.parametrize("outcome", [Outcome("late", 1, 0, "sync"), Outcome("rejected", 1, 0, "sync", reason="x")])
+def test_error_feedback_keeps_back_only_what_merged_deltas_left(tiny_config, tiny_corpus, outcome) -> None:
+    """sparse2 sends 1.6% of a delta; error feedback keeps the rest for the next one. The
+    residual of a delta nobody merged (folded: its work stays in the model and the next
+    delta carries it; refused: its work is reported lost) leaves again, and what merged
+    deltas left behind stays: reset, it lost their work; kept, it counted twice."""
+    learner, state, sent = make_learner(with_codec(tiny_config, "sparse2"), tiny_corpus)
+    learner.contributors_of = lambda f, r: {(0, 0): frozenset({"me"})}.get((f, r))
+    train(learner, 2)
+    ship(learner, 0)
+    sent[0][3].set_result(Outcome("merged", 0, 0, "sync", 1.0))
+    learner.collect_outcomes()
+    apply(state)
+    learner.take_over_updates()
+    assert learner.progress.rounds_contributed == 1
+    left = learner.feedback.state_dict()  # what the merged delta's bytes did not carry
+    assert sum(bool(t.any()) for t in left.values()) > 0
+    train(learner, 2)
+    ship(learner, 0)
+    assert any(not torch.equal(learner.feedback.residual(n), left[n]) for n in left)
+    sent[1][3].set_result(outcome)
+    learner.collect_outcomes()
+    assert 0 not in learner.book.in_flight
+    for name, residual in left.items():
+        torch.testing.assert_close(learner.feedback.residual(name), residual, atol=1e-6, rtol=0)
 
 
 def test_a_rival_record_moves_a_decided_delta_back_or_out(tiny_config, tiny_corpus) -> None:
@@ -312,13 +343,18 @@ def test_the_loop_rests_to_its_compute_share_and_reports_its_wall_speed(
         assert p.step_time_s >= 2 * p.train_s / p.step
 
 
-def test_a_restart_keeps_the_checkpointed_local_work_on_the_new_global(tiny_config, tiny_corpus, tmp_path) -> None:
+@pytest.mark.parametrize("codec", ["int8", "sparse2"])
+def test_a_restart_keeps_the_checkpointed_local_work_on_the_new_global(
+    tiny_config, tiny_corpus, tmp_path, codec
+) -> None:
     """Invariant 6 across a crash: the local work no committed round holds is
     checkpointed as progress against its base and rebased onto whatever global state the
     restarted learner finds; the delta on its way is left out (if it merges after the
-    crash it is in the global, else it is lost with the crash)."""
+    crash it is in the global, else it is lost with the crash). What error feedback held
+    back is local work too: it is checkpointed and the next delta carries it."""
     from p2pdiloco.peer.checkpoint import load_learner, save_learner
 
+    tiny_config = with_codec(tiny_config, codec)
     learner, state, sent = make_learner(tiny_config, tiny_corpus)
     train(learner, 3)
     shipped_local = local_params(learner)
@@ -327,13 +363,22 @@ def test_a_restart_keeps_the_checkpointed_local_work_on_the_new_global(tiny_conf
     kept = {n: local_params(learner)[n] - shipped_local[n] for n in shipped_local}
     save_learner(tmp_path, learner, "hash")
 
-    restarted, new_state, _ = make_learner(tiny_config, tiny_corpus)
+    restarted, new_state, restarted_sent = make_learner(tiny_config, tiny_corpus)
     apply(new_state)  # the swarm moved on while it was down
     restarted.take_over_updates()
     assert load_learner(tmp_path, restarted, "hash")
     base = new_state.fragment_params(0)[1]
     assert close(local_params(restarted), {n: base[n] + kept[n] for n in base})
     assert restarted.book.ledgers[0].steps == 2 and restarted.book.ledgers[0].last_step == 5
+    saved, loaded = learner.feedback.state_dict(), restarted.feedback.state_dict()
+    assert set(saved) == set(loaded) == set(base)
+    assert all(torch.equal(saved[n], loaded[n]) for n in saved)
+    # the next delta carries the local work and the residual: bytes + new residual = both
+    ship(restarted, 0)
+    _, delta = sent_delta(restarted_sent)
+    for name in base:
+        carried = delta[name] + restarted.feedback.residual(name)
+        assert torch.allclose(carried, saved[name] - kept[name], atol=1e-6), name
     # a checkpoint from before local work was kept restores nothing local, and says so
     assert restarted.restore_local_work(None) is not None
     assert close(local_params(restarted), base)

@@ -40,6 +40,19 @@ class ErrorFeedback:
             sent_input.detach().to(torch.float32) - decoded.detach().to(torch.float32)
         ).cpu()
 
+    def take_back(self, name: str, delta: torch.Tensor, decoded: torch.Tensor) -> None:
+        """Undo `update` for a delta nobody merged (folded back or refused): `delta` is the
+        delta before `compensate`, `decoded` what its bytes decode to. The residual goes
+        back to what it was before (`residual - (delta - decoded)`), so the work it held
+        from merged deltas stays while the unmerged delta's own part leaves with it: a
+        folded delta's work is all in the model again and its next delta carries it, once."""
+        residual = self._residuals.get(name)
+        if residual is None:
+            raise ValueError(f"no error feedback for {name!r} to take back")
+        self._residuals[name] = residual - (
+            delta.detach().to(torch.float32).cpu() - decoded.detach().to(torch.float32).cpu()
+        )
+
     def residual(self, name: str) -> torch.Tensor | None:
         """The residual kept for `name`, if any."""
         return self._residuals.get(name)

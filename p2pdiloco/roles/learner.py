@@ -340,20 +340,20 @@ class Learner:
     def _decide(self, fragment: int, kind: str, why: str = "", moved: bool = False) -> None:
         """Decide the delta on its way for `fragment` (`DeltaBook.decide`) and move what
         its fate moves: progress out of the model, counters, events."""
+        progress = self.book.in_flight[fragment].progress  # decide drops it
         fate = self.book.decide(fragment, kind, moved)
         item = fate.item
         if fate.move_out is not None:
             move_progress(self._params, fate.move_out, -1)
             self.trainer.params_written(list(fate.move_out))
+        if kind != MERGED:
+            # what error feedback kept back of a delta nobody merged would count twice
+            self.shipper.take_back(item, progress)
         if kind == LOST:
             self._report_lost(fragment, item.claim, why)
         elif kind == MERGED:
             self._count_merged(fragment, item, +1)
         else:
-            # the error-feedback residual of a delta nobody merged would count twice
-            if self.shipper.feedback is not None:
-                for name in self.bases[fragment][1]:
-                    self.shipper.feedback.reset(name)
             self.on_event(
                 {"event": "delta_folded", "fragment": fragment, "round": item.target_round,
                  "tokens": item.tokens, "steps": item.steps, "reason": why}

@@ -132,6 +132,20 @@ class Shipper:
             ))  # fmt: skip
         return non_finite
 
+    def take_back(self, item: InFlight, progress: Params | None) -> None:
+        """A delta nobody merged (folded or refused): the error-feedback residuals of its
+        tensors go back to what they were before it was encoded, so they hold only what
+        merged deltas left behind (`ErrorFeedback.take_back`). `progress` is the delta's
+        `local - base`; without it (`on_receive` other than rebase, where local progress
+        is overwritten anyway) the residuals are dropped."""
+        if self.feedback is None:
+            return
+        for name, encoded in item.tensors.items():
+            if progress is None or self.feedback.residual(name) is None:
+                self.feedback.reset(name)
+            else:
+                self.feedback.take_back(name, -progress[name], compress.decode_tensor(encoded))
+
     def wait_encoding(self) -> None:
         """Wait until the encoder is idle (the error-feedback residuals are then settled)."""
         for future in list(self.encoding.values()):
