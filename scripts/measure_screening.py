@@ -15,8 +15,12 @@ random direction of the same norm. Then `screening.screen` with the default rule
 on the honest windows (everything should be kept) and on attacked ones (x10, x100 and
 x1000 alone with history, a flip among honest others, a random direction).
 
+`--codec sparse2` (or any codec) sends each learner's delta through the codec with its own
+error feedback, as a learner does, and measures and merges what the synchronizer decodes.
+
     python scripts/measure_screening.py            # ~1.5 min on one core
     python scripts/measure_screening.py --rounds 20 --inner-steps 30 --json out/screening.json
+    python scripts/measure_screening.py --codec sparse2
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
+from p2pdiloco import compress  # noqa: E402
 from p2pdiloco.config import load_config, replace  # noqa: E402
 from p2pdiloco.outer import screening  # noqa: E402
 from p2pdiloco.outer.step import (  # noqa: E402
@@ -100,17 +105,18 @@ def measure_window(
         stats["momentum flipped"] += screening.momentum_cosines(flipped, norms, momentum)
         stats["momentum random"] += screening.momentum_cosines(randoms, norms, momentum)
     everyone = list(range(len(deltas)))
-    g = screening.gram(deltas)
-    stats["loo honest"] += [screening.loo_cosine(i, everyone, g, norms) for i in everyone]
+    honest = [c for c in screening.loo_cosines(deltas, norms, everyone) if c is not None]
+    stats["loo honest"] += honest
     if late:
-        stats["loo honest, late"] += [screening.loo_cosine(i, everyone, g, norms) for i in everyone]
+        stats["loo honest, late"] += honest
     for j in everyone:  # learner j's delta is replaced by its negation / a random one
         for name, bad in (("flipped", flipped[j]), ("random", randoms[j])):
             window = [bad if k == j else d for k, d in enumerate(deltas)]
-            g_bad = screening.gram(window)
-            stats[f"loo {name}"].append(screening.loo_cosine(j, everyone, g_bad, norms))
+            cosines = screening.loo_cosines(window, norms, everyone)
+            if cosines[j] is not None:
+                stats[f"loo {name}"].append(cosines[j])
             stats[f"loo honest, one {name}"] += [
-                screening.loo_cosine(i, everyone, g_bad, norms) for i in everyone if i != j
+                c for i, c in enumerate(cosines) if i != j and c is not None
             ]
 
 
@@ -186,6 +192,12 @@ def main() -> None:
         "--min-lr-ratio", type=float, default=0.1, help="1.0: constant lr after warm-up"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--codec", default="fp32", help="the learners' delta codec, with error feedback"
+    )
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], help="config override (compress.*)"
+    )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -203,6 +215,8 @@ def main() -> None:
             f"train.warmup_steps={args.warmup_steps}",
             f"train.min_lr_ratio={args.min_lr_ratio}",
             f"sync.inner_steps={args.inner_steps}",
+            f"compress.codec='{args.codec}'",
+            *args.overrides,
         ],
     )
     config = replace(config, train={"total_steps": args.rounds * args.inner_steps})
@@ -224,12 +238,18 @@ def main() -> None:
     stats: dict[int, dict[str, list[float]]] = {f: defaultdict(list) for f in splits}
     outcomes: dict[int, dict[str, list[str]]] = {f: defaultdict(list) for f in splits}
     history: dict[tuple[int, int], list[list[float]]] = defaultdict(list)
+    codec = compress.make_codec_from_config(config.compress)
+    feedback = [compress.ErrorFeedback() for _ in trainers] if args.codec != "fp32" else None
     for round_index in range(args.rounds):
         deltas, tokens = [], []
         for rank, trainer in enumerate(trainers):
             load_params(trainer.model, global_params)
             tokens.append(sum(trainer.step(streams[rank]).tokens for _ in range(args.inner_steps)))
-            deltas.append(pseudo_gradient(global_params, dict(trainer.model.named_parameters())))
+            delta = pseudo_gradient(global_params, dict(trainer.model.named_parameters()))
+            if feedback is not None:  # what the synchronizer decodes of it
+                sent = compress.encode_tensors(codec, delta, feedback[rank])
+                delta = compress.decode_tensors(sent)
+            deltas.append(delta)
         for f, fragments in splits.items():
             for index, names in enumerate(fragments):
                 parts = [part(d, names) for d in deltas]
@@ -256,7 +276,8 @@ def main() -> None:
     report: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "rules": vars(rules)}
     for f in splits:
         print(
-            f"\n== F = {f} fragments: {args.learners} learners, H = {args.inner_steps}, {args.rounds} rounds =="
+            f"\n== F = {f} fragments: {args.learners} learners, H = {args.inner_steps}, "
+            f"{args.rounds} rounds, codec {args.codec} =="
         )
         for name, values in stats[f].items():
             print(f"{name:28s} {summary(values)}")

@@ -1,9 +1,12 @@
 """A window held encoded (`compress.LazyTensors`): the same merge bits as decoded deltas, and a
-working set of decoded fp32 that does not grow with the number of contributions."""
+working set of decoded fp32 that does not grow with the number of contributions; with the
+sparse2 codec too, whose windows screening holds to the sparse line and which merge to the
+same bits in whatever order the deltas arrive."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import weakref
 
 import pytest
@@ -11,7 +14,7 @@ import torch
 
 from p2pdiloco import compress, wire
 from p2pdiloco.config import load_config
-from p2pdiloco.outer.screening import Candidate, History, ScreeningRules
+from p2pdiloco.outer.screening import SPARSE_DENSITY, Candidate, History, ScreeningRules
 from p2pdiloco.protocol.merge import merge_round
 
 LAYOUT = {"embed.weight": (32, 16), "block.0.b": (48,)} | {f"block.{i}.w": (32, 16) for i in range(7)}
@@ -28,8 +31,14 @@ def deltas(count: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     ]
 
 
-def encoded(delta: dict[str, torch.Tensor]) -> dict[str, compress.EncodedTensor]:
-    return compress.encode_tensors(compress.make_codec("int8"), delta)
+CODECS = ("int8", "sparse2")
+SPARSE = {"sparse_chunk": 64, "sparse_k": 4}
+"""sparse2 at its density (1/16 here against 1/64: the layout is small) in chunks the
+tensors above fill several times."""
+
+
+def encoded(delta: dict[str, torch.Tensor], codec: str = "int8") -> dict[str, compress.EncodedTensor]:
+    return compress.encode_tensors(compress.make_codec(codec, **(SPARSE if codec == "sparse2" else {})), delta)
 
 
 class CountingLazy(compress.LazyTensors):
@@ -51,18 +60,15 @@ class CountingLazy(compress.LazyTensors):
         CountingLazy.live -= numel
 
 
-def window(count: int, lazy: type | None, **outer: object):
+def merge_window(
+    candidates: list[Candidate], history: History | None = None, momentum_value: float = 0.0, **outer: object
+):
     config = load_config(overrides=[f"outer.{k}={v!r}" for k, v in outer.items()])
-    candidates = []
-    for i, delta in enumerate(deltas(count)):
-        enc = encoded(delta)
-        held = lazy(enc) if lazy else compress.decode_tensors(enc)
-        candidates.append(Candidate(f"peer-{i:02d}", held, tokens=1000 + i, steps=10))
     params = {n: torch.ones(s) for n, s in LAYOUT.items()}
-    momentum = {n: torch.zeros(s) for n, s in LAYOUT.items()}
+    momentum = {n: torch.full(s, momentum_value) for n, s in LAYOUT.items()}
     return merge_round(
         candidates,
-        history=History(),
+        history=history or History(),
         params=params,
         momentum=momentum,
         outer=config.outer,
@@ -73,10 +79,20 @@ def window(count: int, lazy: type | None, **outer: object):
     )
 
 
+def window(count: int, lazy: type | None, codec: str = "int8", **outer: object):
+    candidates = []
+    for i, delta in enumerate(deltas(count)):
+        enc = encoded(delta, codec)
+        held = lazy(enc) if lazy else compress.decode_tensors(enc)
+        candidates.append(Candidate(f"peer-{i:02d}", held, tokens=1000 + i, steps=10))
+    return merge_window(candidates, **outer)
+
+
+@pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("rule", ["token", "mean", "radial", "trimmed"])
-def test_a_lazy_window_merges_to_the_same_bits_as_a_decoded_one(rule: str) -> None:
-    eager = window(6, None, merge=rule)
-    lazy = window(6, compress.LazyTensors, merge=rule)
+def test_a_lazy_window_merges_to_the_same_bits_as_a_decoded_one(rule: str, codec: str) -> None:
+    eager = window(6, None, codec, merge=rule)
+    lazy = window(6, compress.LazyTensors, codec, merge=rule)
     assert [dataclasses.astuple(v) for v in eager.screening.verdicts] == [
         dataclasses.astuple(v) for v in lazy.screening.verdicts
     ]
@@ -85,12 +101,13 @@ def test_a_lazy_window_merges_to_the_same_bits_as_a_decoded_one(rule: str) -> No
         assert torch.equal(eager.decoded[name], lazy.decoded[name]), name
 
 
+@pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("rule", ["token", "radial", "trimmed"])
-def test_the_decoded_working_set_is_one_tensor_per_contribution_not_one_fragment(rule: str) -> None:
+def test_the_decoded_working_set_is_one_tensor_per_contribution_not_one_fragment(rule: str, codec: str) -> None:
     peaks = {}
     for count in (4, 16):
         CountingLazy.live = CountingLazy.peak = 0
-        result = window(count, CountingLazy, merge=rule)
+        result = window(count, CountingLazy, codec, merge=rule)
         assert len(result.screening.kept) == count
         assert CountingLazy.live == 0  # nothing decoded outlives the merge
         peaks[count] = CountingLazy.peak
@@ -112,3 +129,87 @@ def test_lazy_tensors_refuse_what_decode_tensors_refuses() -> None:
     rejected = wire.lazy_tensors(wire.Message(wire.CONTRIBUTION, "r", 0, 0, {}, missing), LAYOUT)
     assert isinstance(rejected, wire.Rejected) and "do not match the layout" in rejected.reason
     assert isinstance(wire.lazy_tensors("not a message"), wire.Rejected)  # type: ignore[arg-type]
+
+
+# --- sparse2 windows -----------------------------------------------------------------------
+
+
+def sparse_candidates(count: int, rounds: int = 3) -> list[Candidate]:
+    """`count` learners' sparse2 deltas as a synchronizer holds them, after `rounds` of
+    error feedback: a shared direction under three times as much noise of their own, so
+    their top sets overlap in part and the cosines between them are what the tiny model's
+    real ones are (0.02-0.04 here, measured 0.027 at least: the dense line 0.05 refused them)."""
+    codec = compress.make_codec("sparse2", **SPARSE)
+    feedback = [compress.ErrorFeedback() for _ in range(count)]
+    for r in range(rounds):
+        gen = torch.Generator().manual_seed(r)
+        common = {n: torch.randn(s, generator=gen) for n, s in LAYOUT.items()}
+        noisy = [{n: 1e-2 * (common[n] + 3 * torch.randn(s, generator=gen)) for n, s in LAYOUT.items()} for _ in range(count)]
+        sent = [compress.encode_tensors(codec, d, fb) for d, fb in zip(noisy, feedback, strict=True)]
+    return [
+        Candidate(f"peer-{i:02d}", compress.LazyTensors(enc), tokens=1000, steps=10) for i, enc in enumerate(sent)
+    ]
+
+
+def test_sparse2_deltas_are_screened_as_sparse_and_honest_ones_kept() -> None:
+    candidates = sparse_candidates(6)
+    decoded = compress.decode_tensors(candidates[0].delta._encoded)
+    density = sum(int(t.count_nonzero()) for t in decoded.values()) / FRAGMENT_ELEMENTS
+    assert 0 < density <= SPARSE_DENSITY
+    result = merge_window(candidates, momentum_value=1e-3)
+    assert all(v.kept and v.scale == 1.0 for v in result.screening.verdicts)
+    cosines = [v.loo_cosine for v in result.screening.verdicts]
+    assert all(c is not None and ScreeningRules().sparse_loo_min_cosine < c for c in cosines)
+    assert min(cosines) < ScreeningRules().loo_min_cosine  # held to the dense line, refused
+
+
+def test_sparse2_attacks_are_refused_clipped_and_bounded_as_dense_ones() -> None:
+    """Direction checks, the clip history and the token bound on sparse2 deltas."""
+    honest = sparse_candidates(4)
+
+    def as_sent(delta: dict[str, torch.Tensor]) -> compress.LazyTensors:
+        return compress.LazyTensors(compress.encode_tensors(compress.make_codec("sparse2", **SPARSE), delta))
+
+    first = compress.decode_tensors(honest[0].delta._encoded)
+    flipped = dataclasses.replace(honest[0], delta=as_sent({n: -t for n, t in first.items()}))
+    result = merge_window([flipped, *honest[1:]])
+    assert result.screening.refused.keys() == {"peer-00"}
+    assert "other deltas" in result.screening.refused["peer-00"]
+    # a flip alone, against the outer momentum (the last merge, its own delta in it)
+    momentum = merge_window(honest).decoded
+    assert momentum is not None
+    config = load_config()
+    alone = merge_round(
+        [flipped], history=History(), params={n: torch.ones(s) for n, s in LAYOUT.items()}, momentum=momentum,
+        outer=config.outer, sync=config.sync, rules=ScreeningRules(), max_tokens_per_step=10_000,
+        outer_codec=compress.make_codec("fp32"),
+    )  # fmt: skip
+    assert "outer momentum" in alone.screening.refused["peer-00"]
+    # x100 alone with a history of honest norms: refused; x2: clipped to 3x the median
+    norms = tuple(v.norm for v in merge_window(honest).screening.verdicts)
+    history = History(norms=norms * 3, tokens=(1000,) * 12)
+    big = dataclasses.replace(honest[0], delta=as_sent({n: 100 * t for n, t in first.items()}))
+    assert "refuse bound" in merge_window([big], history).screening.refused["peer-00"]
+    larger = dataclasses.replace(honest[0], delta=as_sent({n: 4 * t for n, t in first.items()}))
+    (verdict,) = merge_window([larger], history).screening.verdicts
+    assert verdict.kept and verdict.scale < 1.0
+    # a claim of 50x the tokens counts the token bound (2x the history's median) at most
+    greedy = dataclasses.replace(honest[0], tokens=50_000, steps=10)
+    tokens = {v.peer: v.tokens for v in merge_window([greedy, *honest[1:]], history).screening.verdicts}
+    assert tokens["peer-00"] == 2000 and tokens["peer-01"] == 1000
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("rule", ["token", "radial", "trimmed"])
+def test_the_merge_is_bit_identical_in_whatever_order_the_deltas_arrive(rule: str, codec: str) -> None:
+    held = [
+        Candidate(f"peer-{i:02d}", compress.LazyTensors(encoded(delta, codec)), tokens=1000 + 7 * i, steps=10)
+        for i, delta in enumerate(deltas(4, seed=4))
+    ]
+    results = [merge_window(list(order), merge=rule) for order in itertools.permutations(held)]
+    first = results[0]
+    assert first.decoded is not None and len(first.screening.kept) == 4
+    for other in results[1:]:
+        assert other.screening.verdicts == first.screening.verdicts
+        assert other.decoded is not None
+        assert all(torch.equal(other.decoded[n], first.decoded[n]) for n in LAYOUT)

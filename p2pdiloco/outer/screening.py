@@ -32,7 +32,8 @@ The rules, in the order `screen` applies them:
 4. **Direction vs the others.** With `min_loo_peers` deltas or more left, the one with
    the lowest cosine to the sum of the others' unit directions (leave-one-out) is refused
    while that cosine is below `loo_min_cosine`, one at a time, recomputing after each,
-   so a flipped delta does not drag an honest one below the line with it.
+   so a flipped delta does not drag an honest one below the line with it. A sparse delta
+   (`SPARSE_DENSITY`) is held to `sparse_loo_min_cosine` instead.
 5. **Weights.** `outer.token_weights` over the kept deltas with their bounded tokens, so
    no peer gets more than `max_weight_share` (`outer.cap_shares`).
 
@@ -61,6 +62,14 @@ has |cos| <= 0.008 with both. B's norm ratios above 1.4 are its warm-up rounds. 
 - `loo_min_cosine = 0.05`: a third of the lowest honest figure; refuses flips and random
   directions whenever 3+ deltas remain; the worst-first loop keeps the honest ones that
   a flipped neighbour pulled down to -0.033.
+- `sparse_loo_min_cosine = 0.01`: sparse2 deltas (run A with `--codec sparse2`, error
+  feedback) keep the top 1.6% of their entries, and learners' top sets overlap only in
+  part, so honest cosines fall to min .049 / .027, p5 .061 / .035 (F = 1 / F = 4; the same
+  run's fp32 figures are .277 / .166): the dense line refused 2 of 56 and 30 of 224 honest
+  sparse deltas. Flipped ones stay at most -.027, random ones within ±.007; 0.01 refuses
+  both and kept every honest one. The momentum line holds as it is (honest sparse min
+  .024), but a flipped sparse delta alone (K = 1) passes it more often (11 of 56, 94 of
+  224; dense 4 and 16).
 - `momentum_min_cosine = -0.05`: honest deltas are only weakly aligned with a momentum
   that remembers ~10 rounds (min 0.008), so a positive line would refuse honest work,
   and a round in which outer steps oscillate (or a momentum an accepted attacker has
@@ -104,6 +113,10 @@ from p2pdiloco.outer.step import (
     token_weights,
     trimmed_mean,
 )
+
+SPARSE_DENSITY = 0.25
+"""A delta with at most this share of nonzero entries is sparse: its leave-one-out line is
+`sparse_loo_min_cosine` (sparse2 keeps 1.6%, topk 5%; int8 and the casts keep ~100%)."""
 
 _DOT_CHUNK = 32 * SUM_BLOCK
 """Elements multiplied at a time in `dot` (8 MiB of float64 per operand)."""
@@ -227,6 +240,18 @@ def _chunk_partials(name: str, x: torch.Tensor, y: torch.Tensor) -> list[float]:
         product.mul_(y[start:stop].to(torch.float64))
         partials.append(fixed_order_sum(product))
     return partials
+
+
+def norm_and_density(delta: Mapping[str, torch.Tensor]) -> tuple[float, float]:
+    """(`tensor_norm(delta)`, share of its entries that are nonzero), each tensor read once
+    (a lazy delta decodes once for both). The count is an exact integer: the same anywhere."""
+    squares: list[float] = []
+    nonzero = total = 0
+    for tensor in delta.values():
+        squares.append(fixed_order_sum(tensor, square=True))
+        nonzero += int(torch.count_nonzero(tensor))
+        total += tensor.numel()
+    return math.sqrt(math.fsum(squares)), nonzero / total if total else 1.0
 
 
 def _finite_positive(values: Sequence[float]) -> list[float]:
@@ -483,11 +508,13 @@ def screen(
         max_tokens_per_step,
         min_history=rules.min_history,
     )
-    norms = [tensor_norm(c.delta) for c in candidates]
+    measured = [norm_and_density(c.delta) for c in candidates]
+    norms = [norm for norm, _ in measured]
     _refuse_malformed(candidates, tokens, norms, params, reasons)
     clip, refuse, source, scales = _bound_norms(candidates, tokens, norms, history, rules, params, reasons, notes)
     momentum_cos = _check_momentum(candidates, norms, momentum, rules, reasons, notes)
-    loo = _check_others(candidates, norms, rules, reasons, notes)
+    lines = [rules.sparse_loo_min_cosine if d <= SPARSE_DENSITY else rules.loo_min_cosine for _, d in measured]
+    loo = _check_others(candidates, norms, lines, rules, reasons, notes)
 
     kept = [i for i in range(count) if not reasons[i]]
     weights = token_weights(
@@ -608,12 +635,14 @@ def _check_momentum(
 def _check_others(
     candidates: Sequence[Candidate],
     norms: list[float],
+    lines: list[float],
     rules: ScreeningRules,
     reasons: list[str],
     notes: list[str],
 ) -> dict[int, float]:
-    """Direction against the others (leave-one-out): drop the worst while it is below the
-    line; each scored candidate's cosine."""
+    """Direction against the others (leave-one-out): drop the worst of those below their
+    line (`lines`: each candidate's, by its density) while there is one; each scored
+    candidate's cosine."""
     peers = [c.peer for c in candidates]
     pool = [i for i in range(len(candidates)) if not reasons[i]]
     loo: dict[int, float] = {}
@@ -626,10 +655,11 @@ def _check_others(
         values = loo_cosines([candidates[i].delta for i in members], [norms[i] for i in members], by_peer)
         scored = [(v, peers[i], i) for i, v in zip(members, values, strict=True) if v is not None]
         loo.update({i: v for v, _, i in scored})
-        if not scored or min(scored)[0] >= rules.loo_min_cosine:
+        below = [(v, peer, i) for v, peer, i in scored if v < lines[i]]
+        if not below:
             break
-        worst, _, i = min(scored)  # ties broken by peer id: order-free
-        reasons[i] = f"cosine {worst:.3f} with the other deltas is below {rules.loo_min_cosine:g}"
+        worst, _, i = min(below)  # ties broken by peer id: order-free
+        reasons[i] = f"cosine {worst:.3f} with the other deltas is below {lines[i]:g}"
         members.remove(i)
     return loo
 
