@@ -325,6 +325,10 @@ class CompressConfig:
     """Elements per chunk of the sparse2 codec (offsets take ceil(log2) bits: 12 for 4096)."""
     sparse_k: int = 64
     """Entries the sparse2 codec keeps per full chunk (64 of 4096: 1.56%, as SparseLoCo)."""
+    outer_sparse_k: int = 256
+    """Entries a sparse2 outer update keeps per full chunk: the merge of K sparse deltas is
+    their union, up to K x `sparse_k` entries (256: all of K = 4 learners' at the default
+    k, 0.108 bytes/param; a larger window's union loses its smallest entries)."""
     error_feedback: bool = True
     """Keep what a lossy codec did not send and add it to the next delta (SparseLoCo)."""
     zstd: bool = False
@@ -348,6 +352,11 @@ class CompressConfig:
             1 <= self.sparse_k <= min(self.sparse_chunk, 65535),
             "compress.sparse_k",
             f"must be in [1, min(compress.sparse_chunk, 65535)], got {self.sparse_k}",
+        )
+        _check(
+            1 <= self.outer_sparse_k <= min(self.sparse_chunk, 65535),
+            "compress.outer_sparse_k",
+            f"must be in [1, min(compress.sparse_chunk, 65535)], got {self.outer_sparse_k}",
         )
 
 

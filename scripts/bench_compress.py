@@ -10,7 +10,8 @@ Three inputs, measured in the same run:
 - `update` : the outer update of K = 4 learners (--learners): each trains from the same
              initial model on its own tokens, its delta goes through `sparse2`, and the
              mean of the decoded deltas (their union, denser than each) is encoded again
-             with `sparse2` at K times the delta's k (the whole union) and at the delta's k.
+             with `int8` (the default outer codec), with `sparse2` at K times the delta's k
+             (the whole union; `compress.outer_sparse_k` is 256 = 4 x 64) and at its k.
 
 Per codec: bytes_per_param (payload bytes / elements), encode_gbps and decode_gbps
 (GB/s of fp32 input, 1 GB = 10^9 bytes, best of N), rel_error (L2 error / L2 input),
@@ -231,9 +232,11 @@ def outer_update(
         "union_nonzero_per_param": sum(int((t != 0).sum()) for t in merged) / numel,
         "codecs": {},
     }
+    update_codecs = {"int8": make_codec("int8")}
     for k in (learners * SPARSE_K, SPARSE_K):
-        update_codec = make_codec("sparse2", sparse_k=k)
-        out["codecs"][f"sparse2 k={k}"] = figures(
+        update_codecs[f"sparse2 k={k}"] = make_codec("sparse2", sparse_k=k)
+    for name, update_codec in update_codecs.items():
+        out["codecs"][name] = figures(
             update_codec.encode, decode_tensor, lambda e: e.nbytes, merged, repeats
         )
     return out, merged

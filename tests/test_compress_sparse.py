@@ -251,6 +251,87 @@ def test_decoding_is_bit_identical_under_every_cpu_kernel_set(tmp_path: Path) ->
         assert digest == expected, f"decoded bits differ under {kernels}"
 
 
+def test_ties_at_the_kth_value_go_to_the_lowest_offsets() -> None:
+    """Which of several equal |x| torch.topk takes is up to its kernel; an outer update is
+    re-encoded by auditors, so encoding has one answer: the lowest offsets."""
+    chunk, k = 16, 3
+    x = torch.zeros(2 * chunk + 8)
+    x[:chunk] = 1.0  # a chunk of 16 equal values keeps offsets 0, 1, 2
+    x[chunk : 2 * chunk] = torch.tensor([0.5, -2.0] * 8)  # the 8 -2.0 tie: offsets 1, 3, 5
+    x[2 * chunk + 2 :] = -0.25  # the short chunk (8 elements) keeps 2 of its 6 equal ones
+    x[2 * chunk + 7] = 0.5
+    encoded = make_codec("sparse2", sparse_chunk=chunk, sparse_k=k).encode(x)
+    kept = torch.nonzero(decode_tensor(encoded)).squeeze(1).tolist()
+    assert kept == [0, 1, 2, chunk + 1, chunk + 3, chunk + 5, 2 * chunk + 2, 2 * chunk + 7]
+    for seed in range(20):  # and it is the same set whatever the order topk saw them in
+        perm = torch.randperm(chunk, generator=torch.Generator().manual_seed(seed))
+        shuffled = torch.where(perm < 5, 1.0, 0.0) + torch.where(perm < 2, 1.0, 0.0)
+        decoded = decode_tensor(make_codec("sparse2", sparse_chunk=chunk, sparse_k=k).encode(shuffled))
+        ties = sorted(i for i in range(chunk) if 2 <= perm[i] < 5)
+        assert sorted(torch.nonzero(decoded).squeeze(1).tolist()) == sorted(
+            [i for i in range(chunk) if perm[i] < 2] + ties[:1]
+        )
+
+
+_ENCODE_WORKER = """
+import hashlib, sys
+import numpy as np, torch
+from p2pdiloco.compress import decode_tensor, make_codec
+torch.set_num_threads(int(sys.argv[3]))
+x = torch.from_numpy(np.fromfile(sys.argv[1], dtype="<f4").copy())
+encoded = make_codec("sparse2", sparse_k=int(sys.argv[2])).encode(x)
+digest = hashlib.sha256(encoded.payload + decode_tensor(encoded).numpy().tobytes()).hexdigest()
+print(torch.backends.cpu.get_cpu_capability(), digest)
+"""
+
+
+def union_of_deltas(learners: int = 4, numel: int = 200_000) -> torch.Tensor:
+    """What a synchronizer encodes as a sparse2 outer update: the mean of K decoded sparse2
+    deltas (their union, up to K x k entries a chunk)."""
+    codec = make_codec("sparse2")
+    decoded = [decode_tensor(codec.encode(gaussian((numel,), seed=s, std=1e-3))) for s in range(learners)]
+    return sum(decoded[1:], decoded[0]) / learners
+
+
+def test_the_outer_update_encodes_to_the_same_bytes_under_every_cpu_kernel_set(tmp_path: Path) -> None:
+    """Every replica applies what the update's bytes decode to, and an auditor re-encodes the
+    merge to check the record: encode and decode give the same bits on every kernel set
+    and thread count, ties (values on a grid) included."""
+    own = torch.backends.cpu.get_cpu_capability()
+    capabilities = [None, "default"] + (["avx2"] if own in ("AVX2", "AVX512") else [])
+    capabilities += ["avx512"] if own == "AVX512" else []
+    grid = torch.randint(-3, 4, (150_000,), generator=torch.Generator().manual_seed(5)).float() * 1e-3
+    root = str(Path(__file__).resolve().parents[1])
+    for name, x, k in (("union", union_of_deltas(), 256), ("grid", grid, 64)):
+        path = tmp_path / name
+        x.numpy().astype("<f4").tofile(path)
+        encoded = make_codec("sparse2", sparse_k=k).encode(x)
+        expected = hashlib.sha256(encoded.payload + decode_tensor(encoded).numpy().tobytes()).hexdigest()
+        for capability, threads in [(c, 1) for c in capabilities] + [(None, 2)]:
+            env = {key: v for key, v in os.environ.items() if key != "ATEN_CPU_CAPABILITY"}
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+            if capability is not None:
+                env["ATEN_CPU_CAPABILITY"] = capability
+            command = [sys.executable, "-c", _ENCODE_WORKER, str(path), str(k), str(threads)]
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr[-2000:]
+            kernels, digest = done.stdout.split()
+            assert digest == expected, f"{name}: encoded bits differ under {kernels}, {threads} threads"
+
+
+def test_the_outer_codec_keeps_the_union_of_four_deltas() -> None:
+    """`compress.outer_sparse_k` (256) holds all of K = 4 deltas' entries at k = 64 (their
+    union): what the update drops is only the 2-bit value error, as a delta's."""
+    union = union_of_deltas()
+    outer = make_codec_from_config(CompressConfig(outer_codec="sparse2"), outer=True)
+    assert outer.encode(union).meta["k"] == 256
+    decoded = decode_tensor(outer.encode(union))
+    assert torch.equal(decoded != 0, union != 0)
+    assert kept_rel_error(decoded, union) < 0.2
+    with pytest.raises(ConfigError, match="compress.outer_sparse_k must be in"):
+        CompressConfig(sparse_chunk=128, outer_sparse_k=129)
+
+
 # ---------------------------------------------------------------------------------------
 # adversarial frames
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from p2pdiloco import compress, wire
-from p2pdiloco.config import load_config
+from p2pdiloco.config import CompressConfig, load_config
 from p2pdiloco.outer.screening import SPARSE_DENSITY, Candidate, History, ScreeningRules
 from p2pdiloco.protocol.merge import merge_round
 
@@ -61,7 +61,11 @@ class CountingLazy(compress.LazyTensors):
 
 
 def merge_window(
-    candidates: list[Candidate], history: History | None = None, momentum_value: float = 0.0, **outer: object
+    candidates: list[Candidate],
+    history: History | None = None,
+    momentum_value: float = 0.0,
+    outer_codec: compress.Codec | None = None,
+    **outer: object,
 ):
     config = load_config(overrides=[f"outer.{k}={v!r}" for k, v in outer.items()])
     params = {n: torch.ones(s) for n, s in LAYOUT.items()}
@@ -75,7 +79,7 @@ def merge_window(
         sync=config.sync,
         rules=ScreeningRules(),
         max_tokens_per_step=10_000,
-        outer_codec=compress.make_codec("fp32"),
+        outer_codec=outer_codec or compress.make_codec("fp32"),
     )
 
 
@@ -213,3 +217,30 @@ def test_the_merge_is_bit_identical_in_whatever_order_the_deltas_arrive(rule: st
         assert other.screening.verdicts == first.screening.verdicts
         assert other.decoded is not None
         assert all(torch.equal(other.decoded[n], first.decoded[n]) for n in LAYOUT)
+
+
+@pytest.mark.parametrize("rule", ["token", "radial"])
+def test_a_sparse2_outer_update_is_the_same_tensor_on_every_replica(rule: str) -> None:
+    """The union of K sparse2 deltas, encoded again with the outer k (`outer_sparse_k`,
+    K x k: all of it): an auditor's re-merge gives the same bytes, and the bytes as they
+    arrive decode to the tensor the synchronizer applied, on every replica."""
+    from p2pdiloco.outer.fragment import hash_tensors
+
+    config = CompressConfig(outer_codec="sparse2", sparse_chunk=SPARSE["sparse_chunk"], outer_sparse_k=16)
+    outer_codec = compress.make_codec_from_config(config, outer=True)
+    held = [
+        Candidate(f"peer-{i:02d}", compress.LazyTensors(encoded(delta, "sparse2")), tokens=1000, steps=10)
+        for i, delta in enumerate(deltas(4, seed=2))
+    ]
+    synchronizer = merge_window(held, outer_codec=outer_codec, merge=rule)
+    auditor = merge_window(list(reversed(held)), outer_codec=compress.make_codec_from_config(config, outer=True), merge=rule)
+    assert synchronizer.encoded is not None and auditor.encoded is not None and synchronizer.decoded is not None
+    assert synchronizer.encoded == auditor.encoded
+    union = {n: sum((c.delta[n] != 0).int() for c in held) > 0 for n in LAYOUT}
+    for name, tensor in synchronizer.encoded.items():
+        assert tensor.codec == "sparse2" and tensor.meta["k"] == 16
+        # the union is kept whole (4 deltas x 4 entries a chunk fit the outer k of 16)
+        assert torch.equal(synchronizer.decoded[name] != 0, union[name]), name
+        arrived = compress.EncodedTensor(tensor.codec, tuple(tensor.shape), dict(tensor.meta), bytes(tensor.payload))
+        assert torch.equal(compress.decode_tensor(arrived), synchronizer.decoded[name])
+    assert hash_tensors(synchronizer.decoded) == hash_tensors(compress.decode_tensors(auditor.encoded))

@@ -32,6 +32,10 @@ offset and level before it allocates the output.
 
 Decoding is a table lookup: a kept entry is lo, hi, -lo or -hi of its chunk, exact casts
 and no arithmetic at all, so it is bit-identical on every CPU (docs/arithmetic.md).
+Encoding is too, because the outer update a synchronizer publishes may be sparse2 and an
+auditor re-encodes it to check the record's hash: ties at a chunk's k-th largest |x| go to
+the lowest offsets (torch.topk may take any of them), the levels are fitted with exact
+integer sums (`_fit_levels`) and cast float64 -> fp32 -> bf16 one step at a time.
 """
 
 from __future__ import annotations
@@ -95,20 +99,47 @@ def _unpack_bits(payload: bytes, offset: int, count: int, width: int) -> np.ndar
     return ((word >> shift) & ((1 << width) - 1)).astype(np.int64)
 
 
+_FIXED_BITS = 40  # a row in fixed point: its largest |x| below 2^41, int64 sums exact
+
+
 def _fit_levels(magnitude: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    """Per row, the two levels (lo, hi) that best fit the kept magnitudes (1-D 2-means),
-    in float64 so that sums of values near fp32's largest cannot overflow."""
-    magnitude = magnitude.to(torch.float64)
-    count = kept.sum(1)
-    split = magnitude.sum(1) / count.clamp(min=1)  # dropped entries hold zeros
+    """Per row, the two levels (lo, hi) that best fit the kept magnitudes (1-D 2-means).
+
+    A float sum rounds differently in the order the CPU's vector width sets, so each row is
+    summed in fixed point: its magnitudes times the power of two that puts its largest
+    below 2^41, truncated to int64 (exact products, floored alike everywhere), whose sums
+    are exact in any order. Truncation drops less than 2^-40 of the row's largest value."""
+    magnitude = magnitude.to(torch.float64)  # exact, and fp32's whole range stays finite
+    exponent = torch.frexp(magnitude.amax(1)).exponent
+    scale = torch.ldexp(torch.ones(magnitude.shape[0], dtype=torch.float64), _FIXED_BITS - exponent)
+    fixed = (magnitude * scale.unsqueeze(1)).to(torch.int64)
+    count = kept.sum(1)  # dropped entries hold zeros
+    split = fixed.sum(1).to(torch.float64) / count.clamp(min=1) / scale
     for _ in range(_LLOYD_STEPS):
         high = (magnitude >= split.unsqueeze(1)) & kept
         low = kept & ~high
         num_high, num_low = high.sum(1), low.sum(1)
-        hi = (magnitude * high).sum(1) / num_high.clamp(min=1)
-        lo = torch.where(num_low > 0, (magnitude * low).sum(1) / num_low.clamp(min=1), hi)
+        hi = (fixed * high).sum(1).to(torch.float64) / num_high.clamp(min=1) / scale
+        low_mean = (fixed * low).sum(1).to(torch.float64) / num_low.clamp(min=1) / scale
+        lo = torch.where(num_low > 0, low_mean, hi)
         split = (lo + hi) / 2
     return torch.stack((lo, hi), dim=1)
+
+
+def _top_offsets(magnitude: torch.Tensor, k: int) -> torch.Tensor:
+    """Per row of `magnitude` (rows, length >= k), the offsets of its k largest entries in
+    increasing order; of entries equal to the k-th largest, the lowest offsets."""
+    top = torch.topk(magnitude, k, dim=1, sorted=False)
+    offsets = top.indices
+    kth = top.values.min(1, keepdim=True).values  # the k largest values are one multiset
+    tied = ((magnitude >= kth).sum(1) > k).nonzero().squeeze(1)
+    if tied.numel():  # which of the tied entries topk took depends on its kernel
+        rows, line = magnitude[tied], kth[tied]
+        greater, equal = rows > line, rows == line
+        room = k - greater.sum(1, keepdim=True)
+        chosen = greater | (equal & (equal.cumsum(1) <= room))
+        offsets[tied] = chosen.nonzero()[:, 1].view(-1, k)
+    return offsets.sort(dim=1).values
 
 
 class _SparseCodec(Codec):
@@ -137,12 +168,12 @@ class _SparseCodec(Codec):
         rows_per_slab = max(1, _CHUNK_ELEMENTS // chunk)  # a slab of rows stays in cache
         for row in range(0, full, rows_per_slab):
             rows = flat[row * chunk : min(full, row + rows_per_slab) * chunk].view(-1, chunk)
-            top = torch.topk(rows.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
+            top = _top_offsets(rows.abs(), k)
             offsets.append(top)
             values.append(rows.gather(1, top))
         if tail:
             rest = flat[full * chunk :]
-            top = torch.topk(rest.abs(), tail_k, sorted=False).indices.sort().values
+            top = _top_offsets(rest.abs().unsqueeze(0), tail_k).squeeze(0)
             offsets.append(torch.cat((top, top.new_zeros(k - tail_k))).unsqueeze(0))
             values.append(torch.cat((rest[top], rest.new_zeros(k - tail_k))).unsqueeze(0))
         return torch.cat(offsets), torch.cat(values)
@@ -158,7 +189,7 @@ class _SparseCodec(Codec):
         magnitude = values.abs()
         kept = magnitude > 0
         # Levels as transmitted (bf16), then each value takes the nearer one (ties: lo).
-        levels = _fit_levels(magnitude, kept).clamp_(max=_BF16_MAX).to(torch.bfloat16)
+        levels = _fit_levels(magnitude, kept).clamp_(max=_BF16_MAX).to(torch.float32).to(torch.bfloat16)
         lo, hi = levels.to(torch.float32).unbind(1)
         pick_hi = (hi.unsqueeze(1) - magnitude).abs() < (magnitude - lo.unsqueeze(1)).abs()
         codes = pick_hi.to(torch.uint8) | (values < 0).to(torch.uint8) << 1
