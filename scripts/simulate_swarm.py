@@ -19,6 +19,10 @@ fragments over the elected synchronizers, each pushing to its holders and
 `commit.MORE_PUSHES` more, the rest fetching from the peers that hold it. It reports the
 synchronizer's payload bytes per window and the round latency against M.
 
+`--codec` / `--outer-codec` (e.g. sparse2) set the learners' delta codec and the
+synchronizers' update codec of the simulated runs (not of the agreement's real swarm,
+which runs the embedded default): the payloads are charged in those codecs' bytes.
+
 The traffic is counted by `p2pdiloco.transport.traffic.Traffic` in both: a real peer's
 summary carries its counters, the simulated peers' transports count the same way.
 """
@@ -85,6 +89,8 @@ AGGREGATION_QUORUM_SHARE = 0.25
 SYNCHRONIZERS_100MBIT = Population(public_link_mbit=100.0, step_sigma=0.3)
 """The drawn volunteers, the public ones (synchronizer candidates) on 100 Mbit/s links;
 machines that train a 150m model within a 3x spread of speed (GPUs, not CPUs)."""
+CODECS: dict[str, str] = {}
+"""`compress` settings of the simulated runs (`--codec`, `--outer-codec`); empty: int8."""
 EVERYONE = 1 << 30
 """`update_pushes` of the `before` design: the synchronizer pushes to every learner."""
 
@@ -93,10 +99,11 @@ def scaled_config(n: int, design: str) -> RunConfig:
     """The embedded default's protocol; `after`: membership sharded about one shard per 8
     peers and round records under one key per round (`EPOCH_ROUNDS`, docs/scale.md); `before`: one key each."""
     if design == "before":
-        return sim_config()
+        return sim_config(compress=CODECS)
     shards = 1 << max(0, min(10, round(math.log2(max(n / 8, 1)))))
     return replace(
-        sim_config(), network={"member_shards": shards, "record_epoch_rounds": EPOCH_ROUNDS}
+        sim_config(compress=CODECS),
+        network={"member_shards": shards, "record_epoch_rounds": EPOCH_ROUNDS},
     )
 
 
@@ -420,9 +427,13 @@ def main() -> None:
         "--quorum-share", type=float, default=AGGREGATION_QUORUM_SHARE,
         help="min_quorum of --aggregation as a share of M (at least 2)",
     )
+    parser.add_argument("--codec", help="the simulated learners' delta codec (default int8)")
+    parser.add_argument("--outer-codec", help="the simulated synchronizers' update codec")
     parser.add_argument("--real-from", type=Path, help="re-simulate the agreement of a saved --json")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
+    CODECS.update({"codec": args.codec} if args.codec else {})
+    CODECS.update({"outer_codec": args.outer_codec} if args.outer_codec else {})
     sizes = [int(x) for x in args.sizes.split(",") if x and x != "0"]
     if not sizes and not args.sizes:
         sizes = list(QUICK_SIZES)
@@ -431,6 +442,7 @@ def main() -> None:
         "setting": "quick" if args.quick else "custom",
         "seed": args.seed,
         "design": args.design,
+        "compress": dict(CODECS),
     }
     result["by_n"] = run_sizes(sizes, seconds, args.seed, args.design)
     if args.agreement:

@@ -142,6 +142,8 @@ class SimNetwork(MemoryNetwork):
             return float(size)
         if category == "state":
             return size + carried * (self.preset.element_scale - 1)
+        if category == "updates":
+            return size + self.preset.update_extra_bytes
         return size + self.preset.frame_extra_bytes
 
     def rtt(self, a: str, b: str) -> float:
@@ -288,34 +290,46 @@ class PresetBytes:
     """How the small simulated model's payloads are charged as a larger preset's."""
 
     frame_extra_bytes: float
-    """Added to each delta, update or audited frame: the preset's tensor bytes of one
-    fragment minus the small model's."""
+    """Added to each delta or audited frame: the preset's tensor bytes of one fragment
+    minus the small model's, in the run's delta codec (`compress.codec` and its settings)."""
     element_scale: float
     """Parameters of the preset per parameter of the small model (state parts, and the
     roles' deadlines sized by a parameter count)."""
     frame_scale: float
     """A preset's delta frame of one fragment over the small model's (the roles'
     deadlines sized by a frame's bytes)."""
+    update_extra_bytes: float = 0.0
+    """`frame_extra_bytes` of an update frame, in the outer codec (`compress.outer_codec`)."""
+    update_scale: float = 1.0
+    """`frame_scale` of an update frame (the committer's push deadlines)."""
 
     @classmethod
     def of(cls, preset_params: int, config: RunConfig) -> PresetBytes:
-        codec = compress.make_codec(config.compress.codec)
         meta = {
             "peer": "x" * 52, "base_round": 0, "tokens": 0, "steps": 0, "step_time_s": 0.5,
             "first_step": 0, "last_step": 0,
         }  # fmt: skip
+        fragments = config.sync.num_fragments
 
-        def frame_bytes(params: int) -> int:
-            tensors = compress.encode_tensors(codec, {"p0": torch.zeros(params)})
+        def frame_bytes(codec: compress.Codec, params: int) -> int:
+            # a delta-like tensor, not zeros: a sparse codec sends nothing of zeros (int8
+            # sends the same bytes either way); sparse2 as the outer codec keeps its outer
+            # k a chunk, all of a window of K x k / outer k learners' union or more
+            values = torch.randn(params, generator=torch.Generator().manual_seed(params))
+            tensors = compress.encode_tensors(codec, {"p0": values})
             message = wire.Message(kind=wire.CONTRIBUTION, run=RUN, round=0, fragment=0, meta=meta, tensors=tensors)
             return len(wire.encode_message(message))
 
-        sample = 1 << 16
-        per_param = frame_bytes(sample) / sample  # the header is noise at this size
-        fragments = config.sync.num_fragments
-        extra = per_param * (preset_params - PARAMS) / fragments
-        simulated = frame_bytes(PARAMS // fragments)
-        return cls(extra, preset_params / PARAMS, (simulated + extra) / simulated)
+        def extra_and_scale(codec: compress.Codec) -> tuple[float, float]:
+            sample = 1 << 16  # per parameter beyond the header (15% of sparse2's 2^16 elements)
+            per_param = (frame_bytes(codec, 2 * sample) - frame_bytes(codec, sample)) / sample
+            extra = per_param * (preset_params - PARAMS) / fragments
+            simulated = frame_bytes(codec, PARAMS // fragments)
+            return extra, (simulated + extra) / simulated
+
+        delta_extra, delta_scale = extra_and_scale(compress.make_codec_from_config(config.compress))
+        update_extra, update_scale = extra_and_scale(compress.make_codec_from_config(config.compress, outer=True))
+        return cls(delta_extra, preset_params / PARAMS, delta_scale, update_extra, update_scale)
 
 
 def small_state(config: RunConfig) -> GlobalState:
@@ -409,6 +423,8 @@ class Swarm:
         """Per peer (cycled), seconds per inner step instead of the population's draw
         (the agreement check gives the real learners' measured step times)."""
         self.config = config
+        self.delta_codec = compress.make_codec_from_config(config.compress)
+        """The learners' codec with the run's settings (sparse2's chunk and k, zstd, ...)."""
         self.population = population
         self.rng = random.Random(seed)
         self.clock = VirtualClock()
@@ -545,7 +561,7 @@ class Swarm:
                 "peer": peer.peer_id, "base_round": round_id, "tokens": tokens, "steps": steps,
                 "step_time_s": peer.link.step_s, "first_step": max(0, peer.steps_done - steps), "last_step": peer.steps_done,
             },
-            tensors=compress.encode_tensors(compress.make_codec(self.config.compress.codec), delta),
+            tensors=compress.encode_tensors(self.delta_codec, delta),
         )  # fmt: skip
         return wire.encode_message(message)
 
@@ -800,7 +816,7 @@ def scaled_deadlines(preset: PresetBytes | None) -> Iterator[None]:
         return lambda base_s, size: original(base_s, int(size * factor))
 
     patched = {
-        commit: preset.frame_scale, learner_link: preset.frame_scale,
+        commit: preset.update_scale, learner_link: preset.frame_scale,
         replica: preset.element_scale, download: preset.element_scale,
     }  # fmt: skip
     for module, factor in patched.items():
@@ -833,8 +849,9 @@ def shared_verdicts() -> Iterator[None]:
             setattr(module, name, function)
 
 
-def sim_config(**sync: Any) -> RunConfig:
+def sim_config(compress: dict[str, Any] | None = None, **sync: Any) -> RunConfig:
     """The embedded default's protocol settings (quorum, grace, deadlines, fragments,
-    heartbeats) with the fp32 codec of the small simulated model."""
+    heartbeats) with int8 deltas and updates, or the `compress` settings given (e.g.
+    {"codec": "sparse2", "outer_codec": "sparse2"}): the simulated peers encode with them."""
     base = RunConfig()
-    return replace(base, sync={**sync}, compress={"codec": "int8", "outer_codec": "int8"})
+    return replace(base, sync={**sync}, compress={"codec": "int8", "outer_codec": "int8", **(compress or {})})
