@@ -28,8 +28,14 @@ from p2pdiloco.transport import framing
 from p2pdiloco.transport.base import ClockReading, PeerUnreachable, RemoteError
 from p2pdiloco.transport.dialback import libp2p_public
 from p2pdiloco.transport.hivemind_daemon import DhtDaemon
-from p2pdiloco.transport.hivemind_dht import RunRecordValidator, dial_from_dht, ping_for_time
+from p2pdiloco.transport.hivemind_dht import (
+    RunRecordValidator,
+    dial_from_dht,
+    ping_for_time,
+    share_room,
+)
 from p2pdiloco.transport.networked import NetworkedTransport
+from p2pdiloco.transport.records import within_room
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +63,9 @@ class HivemindTransport(NetworkedTransport):
     async def _join(self) -> None:
         await self._daemon.start(self._dht_options, self.identity.peer_id)
         self._peer_id, self._maddrs = self._daemon.peer_id, self._daemon.maddrs
+        dht = self._daemon.dht
+        if dht is not None:
+            await asyncio.wait_for(_await(dht.run_coroutine(share_room, return_future=True)), self.startup_timeout_s)
 
     def _dht_options(self, timeout_s: float) -> dict[str, Any]:
         """hivemind's `DHT(...)` keywords for one start attempt bounded by `timeout_s`."""
@@ -222,11 +231,11 @@ class HivemindTransport(NetworkedTransport):
         if found is None or not isinstance(found.value, dict):
             return {}  # absent, or a plain (subkey-less) record some other program wrote
         now = get_dht_time()
-        records = {
+        records = within_room({
             str(subkey): (item.value, float(item.expiration_time))
             for subkey, item in found.value.items()
             if isinstance(item.value, bytes) and item.expiration_time > now
-        }
+        })  # fmt: skip
         self.traffic.read(key, records)
         return records
 

@@ -1,9 +1,10 @@
 """What the hivemind transport runs inside hivemind's DHT process.
 
-hivemind keeps its DHT in a child process; three pieces of ours run there, through its
+hivemind keeps its DHT in a child process; four pieces of ours run there, through its
 public hooks: the validator that applies a run's record rules to every record stored or
-returned (`record_validators`), a ping that reads another peer's DHT clock, and the
-dial back of `reach.dial_back` (both `DHT.run_coroutine`). Kept apart from the
+returned (`record_validators`), a ping that reads another peer's DHT clock, the dial
+back of `reach.dial_back`, and the storage that shares a key's room among the peers
+that sign its records (the last three `DHT.run_coroutine`). Kept apart from the
 transport, which runs in the peer's process.
 """
 
@@ -13,13 +14,14 @@ import asyncio
 
 from hivemind.dht import DHT
 from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.proto import dht_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
-from p2pdiloco.transport.records import RefusalLog
+from p2pdiloco.transport.records import RefusalLog, make_room
 
 MAX_DERIVED_KEYS = 4096
 """Shard and epoch keys a validator remembers by DHT id (then it starts over)."""
@@ -69,6 +71,35 @@ class RunRecordValidator(RecordValidatorBase):
             return True
         self._refused.note(reason)
         return False
+
+
+class SharedRoomStorage(DHTLocalStorage):
+    """hivemind's local storage, with each key's records bounded and shared among the peers
+    that sign them as the record table's (`records.make_room`): hivemind keeps any
+    number of subkeys under a key, so one signer's flood of valid records (~190 of 64 KiB)
+    made every peer read and verify megabytes per look at the round records."""
+
+    def store_subkey(self, key: DHTID, subkey: object, value: bytes, expiration_time: float) -> bool:
+        found = self.get(key)
+        if found is not None and isinstance(found.value, DictionaryDHTValue) and isinstance(subkey, str):
+            entries = found.value
+            old = entries.get(subkey)
+            if old is not None and old.expiration_time >= expiration_time:
+                return False
+            sizes = {s: len(item.value) for s, item in entries.items() if isinstance(s, str)}
+            drop = make_room(sizes, subkey, len(value))
+            if drop is None:
+                return False
+            for gone in drop:
+                del entries[gone]
+        return super().store_subkey(key, subkey, value, expiration_time)
+
+
+async def share_room(_dht: DHT, node) -> None:
+    """In the DHT process: the node's storage and cache become `SharedRoomStorage` (same
+    data, same hivemind behaviour otherwise); run once the node is up."""
+    for storage in (node.protocol.storage, node.protocol.cache):
+        storage.__class__ = SharedRoomStorage
 
 
 async def ping_for_time(_dht: DHT, node, peer_id: str, timeout_s: float) -> tuple[float, float, float] | None:

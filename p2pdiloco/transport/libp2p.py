@@ -59,6 +59,7 @@ from p2pdiloco.transport.libp2p_records import MAX_RECORD_REQUEST, RECORDS_TIME,
 from p2pdiloco.transport.libp2p_streams import LockedLimit, TrioStream, call_over_stream
 from p2pdiloco.transport.networked import NetworkedTransport
 from p2pdiloco.transport.ratelimit import ConcurrencyLimit
+from p2pdiloco.transport.records import within_room
 from p2pdiloco.transport.trio_bridge import TrioBridge
 
 logger = logging.getLogger(__name__)
@@ -264,7 +265,7 @@ class Libp2pTransport(NetworkedTransport):
             logger.warning("dht_get_failed key=%s error=%r", key, exc)
             return {}
         now = self.now()  # checked with the rules as they arrived; drop what expired since
-        records = {subkey: record for subkey, record in found.items() if record[1] > now}
+        records = within_room({subkey: record for subkey, record in found.items() if record[1] > now})
         self.traffic.read(key, records)
         return records
 

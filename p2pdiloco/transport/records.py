@@ -3,13 +3,16 @@
 The replacement rule is hivemind's: a record under (key, subkey) is replaced only by one
 that expires later, and an expired record is gone. The table is bounded (subkeys per key,
 keys, bytes per value) because, on a real peer, every record in it was sent by someone
-else. Validation (a run's record rules) is the caller's: the table stores bytes, and
+else. How one key's room is shared among the peers that sign its records is
+`make_room`'s (the hivemind transport applies it to hivemind's own storage too).
+Validation (a run's record rules) is the caller's: the table stores bytes, and
 `RefusalLog` logs what the rules refused, sparsely.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +24,119 @@ MAX_SUBKEYS_PER_KEY = 4096
 MAX_VALUE_BYTES = 1 << 20
 MAX_KEY_BYTES = 12 << 20
 """All values under one key: what one `get` answer may carry."""
+MAX_RECORDS_PER_OWNER = 256
+"""Records one owner keeps under a key (`owner_of`): its newest 256 (a synchronizer elected
+every round of 14 s rounds keeps the hour a round record lives)."""
+MAX_OWNER_BYTES = MAX_KEY_BYTES // 8
+"""Bytes one owner keeps under a key: 1.5 MiB, 6 KiB for each of its 256 records (sealed
+round records measured 0.8 KiB with 4 contributors, 1.8 KiB with 16, 5.5 KiB with 64), so
+one key's flood holds an eighth of a key, not all of it."""
+
+
+def owner_of(subkey: str) -> str:
+    """Who a record belongs to: a subkey `<n>/<owner>` (a round record: round/signer) is
+    its owner's n-th; any other subkey (a heartbeat: the peer id) is its own owner's only."""
+    return subkey.rpartition("/")[2]
+
+
+def order_of(subkey: str) -> int:
+    """Where a record sorts among its owner's (`<n>/<owner>`: n; other subkeys: 0)."""
+    head, slash, _ = subkey.rpartition("/")
+    return int(head) if slash and head.isdigit() and len(head) < 20 else 0
+
+
+def make_room(
+    sizes: Mapping[str, int],
+    subkey: str,
+    size: int,
+    max_bytes: int = MAX_KEY_BYTES,
+    max_count: int = MAX_SUBKEYS_PER_KEY,
+    max_per_owner: int = MAX_RECORDS_PER_OWNER,
+    max_owner_bytes: int = MAX_OWNER_BYTES,
+) -> list[str] | None:
+    """The subkeys to drop so that a record of `size` bytes fits under `subkey`, or None
+    to refuse it. `sizes`: the key's live records (subkey -> bytes), the one `subkey`
+    replaces excluded.
+
+    The room is shared so that a flood, from one key or many, costs an honest owner
+    nothing it needs: an owner over `max_per_owner` records or `max_owner_bytes` gives up
+    its own oldest records (or the newcomer, when it is the oldest); a full key takes the oldest record of the owner that
+    holds the most bytes (the newcomer counted with its owner), among owners of two records
+    or more, so whoever floods pays first and an owner's newest record is always stored.
+    A key full of one-record owners refuses newcomers, as before (a heartbeat never
+    pushes out another peer's)."""
+    room = {s: n for s, n in sizes.items() if s != subkey}
+    owner, order = owner_of(subkey), order_of(subkey)
+    drop: list[str] = []
+    mine = sorted((order_of(s), s) for s in room if owner_of(s) == owner)
+    mine_bytes = sum(room[s] for _, s in mine)
+    while mine and (len(mine) >= max_per_owner or mine_bytes + size > max_owner_bytes):
+        lowest_order, lowest = mine.pop(0)
+        if lowest_order >= order:
+            return None
+        drop.append(lowest)
+        mine_bytes -= room.pop(lowest)
+    if size > max_owner_bytes:
+        return None
+    held = sum(room.values())
+    while held + size > max_bytes or len(room) >= max_count:
+        by_owner: dict[str, list[str]] = {owner: [subkey]}
+        for s in room:
+            by_owner.setdefault(owner_of(s), []).append(s)
+        sizes_of = {**room, subkey: size}
+        many = [o for o, held_by in by_owner.items() if len(held_by) >= 2]
+        if not many:
+            return None
+        top = max(many, key=lambda o: (sum(sizes_of[s] for s in by_owner[o]), len(by_owner[o]), o))
+        victim = min(by_owner[top], key=lambda s: (order_of(s), s != subkey, s))
+        if victim == subkey:
+            return None
+        drop.append(victim)
+        held -= room.pop(victim)
+    return drop
+
+
+def within_room(
+    records: Records,
+    max_bytes: int = MAX_KEY_BYTES,
+    max_count: int = MAX_SUBKEYS_PER_KEY,
+    max_per_owner: int = MAX_RECORDS_PER_OWNER,
+    max_owner_bytes: int = MAX_OWNER_BYTES,
+) -> Records:
+    """The records of one `get` answer a reader goes on with: what a table would hold.
+
+    A DHT node answers with whatever it keeps, and a stranger's node keeps without bound,
+    so a reader bounds the answer before it verifies a signature: each owner its newest
+    records within its share (`make_room`'s per-owner bounds), then owners take turns,
+    newest first (the smaller records first in a turn), until the key's bounds: many
+    one-record owners cannot push out an honest owner's newest record unless they are more
+    than the key's `max_count` subkeys."""
+    by_owner: dict[str, list[tuple[int, str]]] = {}
+    for subkey in records:
+        by_owner.setdefault(owner_of(subkey), []).append((order_of(subkey), subkey))
+    queues = []
+    for owned in by_owner.values():
+        owned.sort(reverse=True)
+        kept, held = [], 0
+        for _, subkey in owned[:max_per_owner]:
+            size = len(records[subkey][0])
+            if held + size > max_owner_bytes:
+                break
+            kept.append(subkey)
+            held += size
+        queues.append(kept)
+    out: Records = {}
+    held, turn = 0, 0
+    while len(out) < max_count and any(len(q) > turn for q in queues):
+        # in each turn the smaller records first: a flood of big ones cannot crowd out
+        # an honest owner's few-KiB record
+        for subkey in sorted((q[turn] for q in queues if len(q) > turn), key=lambda s: (len(records[s][0]), s)):
+            size = len(records[subkey][0])
+            if len(out) < max_count and held + size <= max_bytes:
+                out[subkey] = records[subkey]
+                held += size
+        turn += 1
+    return out
 
 
 class RecordTable:
@@ -32,11 +148,13 @@ class RecordTable:
         max_subkeys_per_key: int = MAX_SUBKEYS_PER_KEY,
         max_value_bytes: int = MAX_VALUE_BYTES,
         max_key_bytes: int = MAX_KEY_BYTES,
+        max_per_owner: int = MAX_RECORDS_PER_OWNER,
     ) -> None:
         self.max_keys = max_keys
         self.max_subkeys_per_key = max_subkeys_per_key
         self.max_value_bytes = max_value_bytes
         self.max_key_bytes = max_key_bytes
+        self.max_per_owner = max_per_owner
         self._records: dict[str, Records] = {}
 
     def store(self, key: str, subkey: str, value: bytes, expiration_time: float, now: float) -> bool:
@@ -52,16 +170,15 @@ class RecordTable:
         old = records.get(subkey)
         if old is not None and old[1] >= expiration_time:
             return False
-        if old is None and len(records) >= self.max_subkeys_per_key:
-            self._expire(records, now)
-            if len(records) >= self.max_subkeys_per_key:
-                return False
-        held = sum(len(v) for s, (v, _) in records.items() if s != subkey)
-        if held + len(value) > self.max_key_bytes:
-            self._expire(records, now)
-            held = sum(len(v) for s, (v, _) in records.items() if s != subkey)
-            if held + len(value) > self.max_key_bytes:
-                return False
+        self._expire(records, now)
+        sizes = {s: len(v) for s, (v, _) in records.items()}
+        drop = make_room(
+            sizes, subkey, len(value), self.max_key_bytes, self.max_subkeys_per_key, self.max_per_owner
+        )
+        if drop is None:
+            return False
+        for gone in drop:
+            del records[gone]
         records[subkey] = (bytes(value), float(expiration_time))
         return True
 

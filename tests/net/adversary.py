@@ -153,6 +153,43 @@ class Adversary:
         )
         return {"stored": stored}
 
+    async def record_flood(self, rounds: int = 500, sybils: int = 40) -> dict:
+        """Issue 42, item 4: one free key signs `rounds` valid round records of fragment 0 for
+        the rounds ahead of the head, each as large as the rules let through (a holders
+        list of 1,000 peer ids), and `sybils` more free keys sign one each; all stored in
+        the DHT. The one key is $LATE_RIVAL_KEY's when set (a key the chain named: what a
+        reader counts), else ours. Then a stock hivemind client reads the key back. Before
+        the fix the victims' DHT nodes kept all of it (~20 MB), and every replica read and
+        verified it on every look at the chain; a libp2p key was full after ~190 records and
+        refused honest commits."""
+        flooder = load_identity(os.environ["LATE_RIVAL_KEY"]) if "LATE_RIVAL_KEY" in os.environ else self.me
+        head = await self._current_round()
+        holders = tuple(Identity.generate().peer_id for _ in range(1000))
+        key = rounds_key(self.run, 0)
+
+        def big(signer: Identity, round_id: int) -> bytes:
+            record = RoundRecord(
+                round=round_id, fragment=0, synchronizer=signer.peer_id, hash=f"{round_id:032x}",
+                parent=f"{round_id - 1:032x}", digest="d" * 32, holders=holders, closed_at=self.transport.now(),
+            )  # fmt: skip
+            return seal_record(signer, self.run, record)
+
+        async def store(signer: Identity, round_id: int) -> bool:
+            value = big(signer, round_id)
+            return await self.transport.store(key, record_subkey(round_id, signer.peer_id), value, self.transport.now() + 1800)
+
+        jobs = [(flooder, head + 10 + n) for n in range(rounds)]
+        jobs += [(Identity.generate(), head + 10 + n) for n in range(sybils)]
+        stored = 0
+        for start in range(0, len(jobs), 25):
+            stored += sum(await asyncio.gather(*(store(s, r) for s, r in jobs[start : start + 25])))
+        raw = await _stock_get(self.transport, key)
+        mine = sum(len(v) for s, v in raw.items() if s.endswith(flooder.peer_id))
+        return {
+            "signed": len(jobs), "stored": stored, "record_bytes": len(big(flooder, head)),
+            "read_records": len(raw), "read_bytes": sum(len(v) for v in raw.values()), "read_own_bytes": mine,
+        }  # fmt: skip
+
     async def _contribute(self, victim: str, request: bytes) -> str:
         try:
             raw = await self.transport.call(
@@ -455,6 +492,14 @@ class Adversary:
 
         duration_s = stale_donor_duration_s() if duration_s is None else duration_s
         return await stale_donor_attack(self.transport, self.run, self.victims, duration_s, lead, emit)
+
+
+async def _stock_get(transport, key: str) -> dict[str, bytes]:
+    """`{subkey: value}` under `key` as hivemind's own `DHT.get` returns it (no bound of ours)."""
+    found = await transport._daemon.dht.get(key, latest=True, return_future=True)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    return {str(s): item.value for s, item in found.value.items() if isinstance(item.value, bytes)}
 
 
 def _rewrite_header(frame: bytes, edit) -> bytes:

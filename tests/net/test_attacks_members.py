@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from p2pdiloco.transport.records import MAX_KEY_BYTES, MAX_OWNER_BYTES
+
 from .harness import start_peer_processes, write_identity
 from .swarm_util import (
     Events,
@@ -45,7 +47,9 @@ def test_sybils_replayed_beats_and_hijack_records_do_not_halt_an_open_run(tmp_pa
     expiration; then, for 60 s, a record for each new round signed by a fresh key ground
     to out-rank the honest synchronizers (the right parent, an update that exists
     nowhere). Before: 0 rounds in 90 s (Sybils), and no round after the first hijacked
-    one. Now every peer goes on applying honest rounds with identical hashes."""
+    one. Last (issue 42, item 4) the named key floods the round key with 500 records of
+    ~40 KiB for rounds ahead, 40 free keys one each: each DHT node keeps the named key's
+    newest 1.5 MiB. Now every peer goes on applying honest rounds with identical hashes."""
     boot = start_bootstrap()
     named_key = tmp_path / "named.key"
     named = write_identity(named_key)
@@ -65,7 +69,7 @@ def test_sybils_replayed_beats_and_hijack_records_do_not_halt_an_open_run(tmp_pa
     before_late = max(log.latest_round() for log in logs)
 
     attacker = launch_adversary(
-        boot, honest, "late_rivals,sybil_heartbeats,replayed_beats,hijacked_rounds",
+        boot, honest, "late_rivals,sybil_heartbeats,replayed_beats,hijacked_rounds,record_flood",
         env={"LATE_RIVAL_KEY": str(named_key)},
     )  # fmt: skip
     attacker.wait_ready(180)
@@ -89,6 +93,9 @@ def test_sybils_replayed_beats_and_hijack_records_do_not_halt_an_open_run(tmp_pa
     assert results["replayed_beats"]["replayed"] >= 1
     assert results["hijacked_rounds"]["records_signed"] >= 3  # it had new heads to hijack
     assert results["late_rivals"]["records_signed"] >= 1, results["late_rivals"]  # it out-ranked some
+    flood = results["record_flood"]  # item 4: the key's room is shared; the flood paid for it
+    assert flood["stored"] >= flood["signed"] // 2 and flood["record_bytes"] > 16_000, flood
+    assert flood["read_own_bytes"] <= MAX_OWNER_BYTES and flood["read_bytes"] <= MAX_KEY_BYTES, flood
     for log in logs:
         log.drain(quiet_s=1.0, max_s=5.0)
     # during the 60 s of hijack records, every peer went on applying honest rounds
