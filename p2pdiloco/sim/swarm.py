@@ -75,6 +75,9 @@ PARAMS = 1024
 BULK_BYTES = 64 * 1024
 """Transfers above this size share their links fairly with the other bulk flows (`FairShareLinks`)."""
 """Parameters of the small model whose frames the simulated peers really encode."""
+SPARSE_MIN_KEPT = 4
+"""Entries a simulated sparse2 fragment keeps at least (`Swarm._codec_of`): a quarter of a
+16-element fragment, the density screening still holds to the sparse line."""
 DRAIN_DEADLINES = 1.5
 """Round deadlines the learners' last deltas get to merge after they stop computing."""
 
@@ -506,6 +509,7 @@ class Swarm:
             replicas,
             self.worker,
             on_event=self._event,
+            screening_rules=self.config.screening,
         )
         link_ = LearnerLink(transport, RUN, self.config.sync, replicas, members.view, limits)
         peer = SimPeer(transport, link, self.config, state, members, replicas, synchronizer, link_)
@@ -561,9 +565,23 @@ class Swarm:
                 "peer": peer.peer_id, "base_round": round_id, "tokens": tokens, "steps": steps,
                 "step_time_s": peer.link.step_s, "first_step": max(0, peer.steps_done - steps), "last_step": peer.steps_done,
             },
-            tensors=compress.encode_tensors(self.delta_codec, delta),
+            tensors=compress.encode_tensors(self._codec_of(size), delta),
         )  # fmt: skip
         return wire.encode_message(message)
+
+    def _codec_of(self, size: int) -> compress.Codec:
+        """The codec of a simulated fragment of `size` elements: the run's, except that
+        sparse2 keeps at least `SPARSE_MIN_KEPT` entries of a fragment. A real fragment
+        keeps thousands, and learners share enough of them that screening keeps honest
+        deltas (cosines 0.03-0.12); the small model's (16 elements at 64 fragments) kept
+        one, orthogonal to the others' or opposite to the momentum: screening refused a
+        third of the deltas. Bytes are charged at the preset's size all the same."""
+        cfg = self.config.compress
+        kept = -(-cfg.sparse_k * min(size, cfg.sparse_chunk) // cfg.sparse_chunk)
+        if cfg.codec != "sparse2" or kept >= SPARSE_MIN_KEPT or size <= SPARSE_MIN_KEPT:
+            return self.delta_codec
+        chunk = min(size, cfg.sparse_chunk)
+        return compress.make_codec("sparse2", sparse_chunk=chunk, sparse_k=SPARSE_MIN_KEPT, zstd=cfg.zstd)
 
     async def _learn(self, peer: SimPeer) -> None:
         """Compute `inner_steps` at the peer's speed, then ship each fragment's delta
