@@ -329,7 +329,10 @@ def test_the_outer_codec_keeps_the_union_of_four_deltas() -> None:
     assert torch.equal(decoded != 0, union != 0)
     assert kept_rel_error(decoded, union) < 0.2
     with pytest.raises(ConfigError, match="compress.outer_sparse_k must be in"):
-        CompressConfig(sparse_chunk=128, outer_sparse_k=129)
+        CompressConfig(outer_sparse_k=0)
+    # above the chunk it keeps every entry (a run with small chunks need not lower it)
+    small = CompressConfig(outer_codec="sparse2", sparse_chunk=128, sparse_k=2)
+    assert make_codec_from_config(small, outer=True).encode(union).meta["k"] == 128
 
 
 # ---------------------------------------------------------------------------------------

@@ -60,7 +60,7 @@ def make_codec_from_config(cfg: CompressConfig, *, outer: bool = False) -> Codec
         block_size=cfg.block_size,
         topk_fraction=cfg.topk_fraction,
         sparse_chunk=cfg.sparse_chunk,
-        sparse_k=cfg.outer_sparse_k if outer else cfg.sparse_k,
+        sparse_k=min(cfg.outer_sparse_k, cfg.sparse_chunk) if outer else cfg.sparse_k,
         zstd=cfg.zstd,
     )
 
