@@ -10,7 +10,10 @@ After a full stop the DHT may hold none of the run's records (they expire after 
 hour, and a restarted bootstrap node starts empty): `republish` stores the restored
 chain's records again, so the swarm's canonical chain goes on from the newest state any
 restarted peer holds, and peers with an empty directory download that state (verified
-by hash against the same records, `roles.download`). It publishes nothing when the DHT
+by hash against the same records, `roles.download`). A record closed so long ago that
+the DHT's rules would refuse it (or keep it less than half its lifetime) goes back in a
+resume envelope this peer signs now (`rounds.seal_resumed`): the record inside is its
+synchronizer's, checked as ever, and its chain gives the screening its history again. It publishes nothing when the DHT
 already holds a record at or past the restored round (the swarm went on without us:
 our older records would only add rivals to rounds it has settled). A joiner at round 0
 that sees no record while live peers say they are past it waits, bounded, for the
@@ -33,6 +36,7 @@ from p2pdiloco.protocol.rounds import (
     record_subkey,
     records_of,
     rounds_key,
+    seal_resumed,
 )
 from p2pdiloco.roles.replica import ReplicaSync
 from p2pdiloco.roles.state import GlobalState
@@ -58,8 +62,11 @@ class GlobalCheckpoint:
         replicas: ReplicaSync,
         limits: wire.WireLimits,
         emit: Callable[[dict], None],
+        certificates: tuple[bytes, ...] = (),
     ) -> None:
         self.directory = directory
+        self.certificates = certificates
+        """This peer's operator certificates, shown in the resume envelopes it signs."""
         self.run = run
         self.config_hash = config_hash
         self.replicas = replicas
@@ -187,9 +194,11 @@ class GlobalCheckpoint:
             async with gate:
                 subkey = record_subkey(record.round, record.synchronizer)
                 key = rounds_key(self.run, fragment, record.round, epochs)
-                return await transport.store(
-                    key, subkey, record.sealed, transport.now() + ROUND_RECORD_TTL_S
-                )
+                now = transport.now()
+                value = record.sealed
+                if record.closed_at + ROUND_RECORD_TTL_S < now + ROUND_RECORD_TTL_S / 2:
+                    value = seal_resumed(transport.identity, self.run, record, now, self.certificates)
+                return await transport.store(key, subkey, value, now + ROUND_RECORD_TTL_S)
 
         return sum(await asyncio.gather(*(store(r) for r in records)))
 

@@ -112,7 +112,10 @@ class JoinedPeer:
         # learner below), after ReplicaSync took the initial hashes its chains start from
         self.checkpoint_dir = concrete_dir(options)
         self.global_checkpoint = (
-            GlobalCheckpoint(self.checkpoint_dir, options.run, self.config_hash, self.replicas, self.limits, emit)
+            GlobalCheckpoint(
+                self.checkpoint_dir, options.run, self.config_hash, self.replicas, self.limits, emit,
+                certificates=self.certificates,
+            )  # fmt: skip
             if self.checkpoint_dir else None
         )  # fmt: skip
         if self.global_checkpoint is not None:

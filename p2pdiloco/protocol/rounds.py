@@ -135,6 +135,13 @@ class RoundRecord:
     this record re-runs the round in its place ("" for none; see `superseded_digests`)."""
     sealed: bytes = field(default=b"", compare=False, repr=False)
     """The signed bytes this record was read from or sealed into (what is stored and sent)."""
+    resumed_at: float = field(default=0.0, compare=False)
+    """DHT time a peer restored this record after its lifetime (0: read as committed):
+    the time its envelope signs (`seal_resumed`), by `resumed_by`."""
+    resumed_by: str = field(default="", compare=False)
+    """The peer that signed the resume envelope ("" when not resumed)."""
+    resumed_certificates: tuple[bytes, ...] = field(default=(), compare=False, repr=False)
+    """That peer's operator certificates (a certified run admits no resume without)."""
 
     @functools.cached_property
     def named(self) -> frozenset[str]:
@@ -284,15 +291,72 @@ def signed_record(identity: Identity, run: str, record: RoundRecord) -> RoundRec
     return dataclasses.replace(record, sealed=seal_record(identity, run, record))
 
 
+RESUMED_RECORDS = SignedKind("resumed", MAX_RECORD_BYTES + 128 + 8 * 1024)
+"""Resume envelopes: a committed record (as its synchronizer sealed it), the time a peer
+restored it and that peer's certificates, signed by that peer."""
+
+
 def open_record(run: str, sealed: object) -> RoundRecord | None:
-    """The record in `sealed` if its synchronizer signed it for `run`, else None (never raises)."""
-    payload = ROUND_RECORDS.peek(sealed)
-    record = decode_round_record(payload) if isinstance(payload, bytes) else None
-    if record is None or not is_peer_id(record.synchronizer):
+    """The record in `sealed` if its synchronizer signed it for `run`, or the record a
+    resume envelope carries (`open_resumed`), else None (never raises)."""
+    payload = RESUMED_RECORDS.peek(sealed)  # the larger bound; a record's own is checked on opening
+    if not isinstance(payload, bytes):
         return None
-    if isinstance(ROUND_RECORDS.open(record.synchronizer, run, sealed), str):
+    record = decode_round_record(payload)
+    if record is None:
+        return open_resumed(run, sealed, payload)
+    if not is_peer_id(record.synchronizer) or isinstance(ROUND_RECORDS.open(record.synchronizer, run, sealed), str):
         return None
     return dataclasses.replace(record, sealed=bytes(sealed))
+
+
+def seal_resumed(
+    identity: Identity, run: str, record: RoundRecord, resumed_at: float, certificates: tuple[bytes, ...] = ()
+) -> bytes:
+    """`record` (carrying its synchronizer's `sealed` bytes) in a resume envelope signed by
+    `identity` at DHT time `resumed_at`: how a peer that restarted after a stop longer than
+    `ROUND_RECORD_TTL_S` puts the records its checkpoint stands on back in the DHT, whose
+    rules refuse a record closed longer ago than any record lives. The envelope vouches for
+    nothing but the time: the record inside is checked as ever (its synchronizer's
+    signature, a certificate valid at its own close), and the peer resuming it must be one
+    the run entitles now."""
+    if not record.sealed:
+        raise ValueError("a resumed record carries its synchronizer's signed bytes")
+    payload = msgpack.packb(
+        {"record": record.sealed, "by": identity.peer_id, "at": float(resumed_at),
+         "certificates": list(certificates)},
+        use_bin_type=True,
+    )  # fmt: skip
+    return RESUMED_RECORDS.seal(identity, run, payload)
+
+
+def open_resumed(run: str, sealed: object, payload: bytes) -> RoundRecord | None:
+    """The record a resume envelope carries, with when and by whom it was resumed, or None
+    (untrusted: never raises). `payload`: the envelope's payload, not yet verified."""
+    try:
+        data: Any = msgpack.unpackb(payload, raw=False, max_bin_len=MAX_RECORD_BYTES + 256, max_array_len=8)
+        if not isinstance(data, dict) or set(data) != {"record", "by", "at", "certificates"}:
+            return None
+        by, at, inner = _str(data["by"]), _number(data["at"]), data["record"]
+        certificates = tuple(_blob(c) for c in _peers(data["certificates"])[:4])
+    except Exception:  # noqa: BLE001 - untrusted bytes
+        return None
+    if not is_peer_id(by) or not isinstance(inner, bytes) or isinstance(RESUMED_RECORDS.open(by, run, sealed), str):
+        return None
+    peeked = ROUND_RECORDS.peek(inner)
+    record = decode_round_record(peeked) if isinstance(peeked, bytes) else None
+    if record is None or not is_peer_id(record.synchronizer):
+        return None
+    if isinstance(ROUND_RECORDS.open(record.synchronizer, run, inner), str):
+        return None
+    return dataclasses.replace(
+        record, sealed=inner, resumed_at=at, resumed_by=by, resumed_certificates=certificates
+    )
+
+
+def record_time(record: RoundRecord) -> float:
+    """The signed time a record was last vouched for: its close, or when a peer resumed it."""
+    return max(record.closed_at, record.resumed_at)
 
 
 def records_of(
@@ -316,6 +380,14 @@ def records_of(
         ):
             out[(record.round, record.synchronizer)] = record
     return out
+
+
+def rivalry_key(run: str, record: RoundRecord, standing: Mapping[tuple[int, str, str], int]) -> tuple:
+    """Sort key among a round's rivals with one parent (the lowest wins): a record read as
+    committed before one resumed after its lifetime (a live chain outranks a restored
+    history: peers that came back from a full stop and went on are not rewound by one
+    that came back later with an older branch), then standing, then rank."""
+    return (record.resumed_at > 0, standing.get(standing_key(record), PROVEN), rank(run, record))
 
 
 def rank(run: str, record: RoundRecord) -> tuple[int, str]:
@@ -575,7 +647,7 @@ def canonical_chain(
 
     def best(round_id: int, parent: str | None) -> RoundRecord | None:
         rivals = [r for r in by_round.get(round_id, ()) if parent is None or r.parent == parent]
-        return min(rivals, key=lambda r: (standing.get(standing_key(r), PROVEN), rank(run, r))) if rivals else None
+        return min(rivals, key=lambda r: rivalry_key(run, r, standing)) if rivals else None
 
     # the head reached from (round, parent) and whether the way passes the anchor, computed
     # once per pair from the top down: choosing among many starts costs one pass, not a

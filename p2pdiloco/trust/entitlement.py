@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from p2pdiloco.protocol.membership import CLOCK_SLACK_S, Heartbeat, synchronizer_candidates
-from p2pdiloco.protocol.rounds import RoundRecord
+from p2pdiloco.protocol.rounds import RoundRecord, record_time
 from p2pdiloco.trust.admission import Admission
 from p2pdiloco.trust.record_rules import record_time_refusal
 
@@ -139,18 +139,24 @@ class Entitlement:
 
     def entitled(self, record: RoundRecord) -> bool:
         """Whether the run entitled the record's synchronizer to commit it: a certificate
-        valid at the close the record signs, a close time plausible now
-        (`record_time_refusal`) and not before the canonical record of the round before."""
+        valid at the close the record signs, a close (or resume: `rounds.record_time`)
+        plausible now (`record_time_refusal`), not before the canonical record of the round
+        before, and for a resumed record a peer the run entitles at the resume time."""
         if record.round >= self.banned.get(record.synchronizer, record.round + 1):
             return False
-        if record_time_refusal(record.closed_at, self.now()) is not None:
+        if record_time_refusal(record_time(record), self.now()) is not None:
             return False
         if self._closes_before_its_parent(record):
             return False
         if self.admission.synchronizers == "open":
             return True
         expires_at = self._certificate_expiry(record.synchronizer, record.certificates)
-        return expires_at is not None and expires_at >= record.closed_at
+        if expires_at is None or expires_at < record.closed_at:
+            return False
+        if not record.resumed_by:
+            return True
+        resumer_expires_at = self._certificate_expiry(record.resumed_by, record.resumed_certificates)
+        return resumer_expires_at is not None and resumer_expires_at >= record.resumed_at
 
     def _closes_before_its_parent(self, record: RoundRecord) -> bool:
         """A record that signs a close before the canonical close of the round it follows

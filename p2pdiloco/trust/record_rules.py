@@ -35,6 +35,7 @@ from p2pdiloco.protocol.rounds import (
     epoch_of_key,
     open_record,
     record_subkey,
+    record_time,
     rounds_key,
     subkey_round,
 )
@@ -145,16 +146,21 @@ class RunRecordRules:
             return "not a round record signed by its synchronizer"
         if record.fragment != fragment or subkey != record_subkey(record.round, record.synchronizer):
             return "round record stored under another fragment or subkey"
-        if expiration > record.closed_at + RECORD_MAX_TTL_S:
+        if expiration > record_time(record) + RECORD_MAX_TTL_S:
             return "round record expires too long after its close"
-        refusal = record_time_refusal(record.closed_at, now) or self.admission.synchronizer_refusal(
+        refusal = record_time_refusal(record_time(record), now) or self.admission.synchronizer_refusal(
             self.run, record.synchronizer, record.certificates, record.closed_at
         )
+        if refusal is None and record.resumed_by:
+            refusal = self.admission.synchronizer_refusal(
+                self.run, record.resumed_by, record.resumed_certificates, record.resumed_at
+            )
         return f"synchronizer not entitled: {refusal}" if refusal else None
 
 
 def record_time_refusal(closed_at: float, now: float) -> str | None:
-    """Why a round record's signed close time cannot be true when judged at `now`, or None.
+    """Why a round record's signed close time (or resume time: `rounds.record_time`)
+    cannot be true when judged at `now`, or None.
 
     A certificate is checked at the close time the record signs (a committed record stays
     valid to follow for the hour it lives, after its certificate ran out). What keeps a
