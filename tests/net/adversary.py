@@ -153,18 +153,43 @@ class Adversary:
         )
         return {"stored": stored}
 
+    async def free_chain(self, duration_s: float | None = None, lead: int = 2) -> dict:
+        """Issue 42, item 3: a free key signs a chain from an "expired past" (round 1, a
+        parent nobody knows) to `lead` rounds past the swarm's head, and keeps it ahead for
+        `duration_s` (default $FLOOD_S or 30): before finality, a free chain longer than the
+        head round won on every replica. It names itself alone; no update exists."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (float(os.environ.get("FLOOD_S", "30")) if duration_s is None else duration_s)
+        key, parent, top, stored, refused = rounds_key(self.run, 0), os.urandom(16).hex(), 0, 0, 0
+        while loop.time() < deadline:
+            head = await self._current_round()
+            for round_id in range(max(top + 1, 1), head + lead + 1):
+                record = RoundRecord(
+                    round=round_id, fragment=0, synchronizer=self.me.peer_id, hash=os.urandom(16).hex(),
+                    parent=parent, digest=os.urandom(16).hex(), closed_at=self.transport.now(),
+                    contributors=((self.me.peer_id, 1.0, 64),), holders=(self.me.peer_id,),
+                )  # fmt: skip
+                ok = await self.transport.store(
+                    key, record_subkey(round_id, self.me.peer_id), seal_record(self.me, self.run, record),
+                    self.transport.now() + 1800,
+                )  # fmt: skip
+                stored, refused = stored + ok, refused + (not ok)
+                parent, top = record.hash, round_id
+            await asyncio.sleep(2.0)
+        return {"stored": stored, "refused": refused, "top": top, "key": self.me.peer_id}
+
     async def record_flood(self, rounds: int = 500, sybils: int = 40) -> dict:
         """Issue 42, item 4: one free key signs `rounds` valid round records of fragment 0 for
-        the rounds ahead of the head, each as large as the rules let through (a holders
-        list of 1,000 peer ids), and `sybils` more free keys sign one each; all stored in
-        the DHT. The one key is $LATE_RIVAL_KEY's when set (a key the chain named: what a
+        the rounds ahead of the head, each of ~5 KiB (a holders list of 150 peer ids: a
+        value of 40 KiB breaks hivemind's own pipe to its DHT process after a few dozen
+        stores), and `sybils` more free keys sign one each; all stored in the DHT. The one key is $LATE_RIVAL_KEY's when set (a key the chain named: what a
         reader counts), else ours. Then a stock hivemind client reads the key back. Before
-        the fix the victims' DHT nodes kept all of it (~20 MB), and every replica read and
+        the fix the victims' DHT nodes kept all of it (2.7 MB), and every replica read and
         verified it on every look at the chain; a libp2p key was full after ~190 records and
         refused honest commits."""
         flooder = load_identity(os.environ["LATE_RIVAL_KEY"]) if "LATE_RIVAL_KEY" in os.environ else self.me
         head = await self._current_round()
-        holders = tuple(Identity.generate().peer_id for _ in range(1000))
+        holders = tuple(Identity.generate().peer_id for _ in range(150))
         key = rounds_key(self.run, 0)
 
         def big(signer: Identity, round_id: int) -> bytes:
@@ -391,15 +416,16 @@ class Adversary:
             await asyncio.sleep(0.5)
         return {"records_signed": len(signed)}
 
-    async def late_rivals(self, duration_s: float = 20.0, fragments: int = 4, lookback: int = 8) -> dict:
+    async def late_rivals(self, duration_s: float | None = None, fragments: int = 4, lookback: int = 8) -> dict:
         """Issue 42, item 1: a peer the chain named (its key file in $LATE_RIVAL_KEY: an
         honest learner's key, as a peer turned attacker has its own) signs, for old rounds
         its key out-ranks the committed synchronizer in, a rival with the right parent, a
         current close time and a state that exists nowhere. By rank alone every replica
-        dropped the rounds after it; a round three deep is final on every replica now."""
+        dropped the rounds after it; a round three deep is final on every replica now.
+        Lasts `duration_s` (default $FLOOD_S or 20)."""
         me = load_identity(os.environ["LATE_RIVAL_KEY"])
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + duration_s
+        deadline = loop.time() + (float(os.environ.get("FLOOD_S", "20")) if duration_s is None else duration_s)
         signed: set[tuple[int, int]] = set()
         heads, refused, skipped = {}, 0, {"unfit": 0, "out_ranked": 0}
         while loop.time() < deadline:
