@@ -711,3 +711,26 @@ def test_a_held_frame_is_served_byte_for_byte_by_its_digest_and_is_not_applied()
         assert missing.meta["status"] == messages.MISSING
 
     scenario(3, body)
+
+
+def test_hold_update_refuses_a_caller_this_replica_could_not_elect_whatever_its_key_ranks() -> None:
+    """The audit: a hold ranked its caller among this replica's candidates without asking
+    whether it may synchronize at all, so a stranger with a free key (no heartbeat, never
+    named by the chain) was held whenever its key ranked among the first few."""
+
+    async def body(cluster: Cluster) -> None:
+        holder = cluster[1]
+        stranger = MemoryTransport(cluster.network)
+        await stranger.start()
+        frame = update_frame(stranger.peer_id, holder.replicas.genesis[0])
+        raw = await stranger.call(holder.peer_id, f"{RUN}.{messages.RPC_HOLD_UPDATE}", frame, 5.0)
+        reply = wire.decode_message(raw, LIMITS)
+        assert reply.meta["status"] == messages.REJECTED
+        assert reply.meta["reason"] == "caller may not synchronize"
+        assert holder.replicas.store.get(0, update_digest(frame)) is None
+        # a peer it could elect is still held (the first of the round's order)
+        first = cluster[0]
+        reply = await hold(first, holder, update_frame(first.peer_id, holder.replicas.genesis[0]))
+        assert reply.meta["status"] == messages.HELD
+
+    scenario(3, body)

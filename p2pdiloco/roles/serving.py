@@ -140,6 +140,10 @@ class UpdateServer:
         self.worker = worker
         self.store = ServedFrames()
         self.synchronizers: Callable[[], list[str]] = lambda: []
+        self.may_hold: Callable[[str], bool] = lambda caller: True
+        """Whether a caller may push an update to hold at all (the replica sets it: a peer
+        this one could elect, or one the chain named); the election order says for which
+        rounds."""
         """The peers this replica sees as synchronizer candidates (`hold_refusal`)."""
         self.records: Callable[[int, int], list[bytes]] = lambda fragment, from_round: []
         """The sealed records this peer holds of (fragment) from a round on (set by the
@@ -189,6 +193,8 @@ class UpdateServer:
             return self._reply(-1, 0, messages.REJECTED, reason=update.reason)
         if update.synchronizer != caller:
             reason = "update names another synchronizer"
+        elif not self.may_hold(caller):
+            reason = "caller may not synchronize"
         else:
             reason = hold_refusal(
                 self.run, update.round, update.fragment, caller, self.state.round_of(update.fragment),
