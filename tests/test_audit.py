@@ -360,3 +360,42 @@ def test_notices_are_not_read_on_every_sync_pass() -> None:
         assert len(reads) == 1
 
     scenario(3, body)
+
+
+def test_notices_of_strangers_that_fail_to_check_out_do_not_use_up_an_honest_auditors_try() -> None:
+    """The audit: two notices used up a record's tries whoever sent them. A liar's two
+    Sybils (free keys with live beats) accuse its own false record first; their notices
+    cannot be checked (they serve no evidence). Then an honest auditor's notice arrives:
+    before, the record's tries were spent and the lie stood on every peer that had applied
+    it; now a notifier the chain named has a try of its own (and goes first)."""
+
+    async def body(cluster: Cluster) -> None:
+        await honest_round_zero(cluster)
+        liar, (first, second) = roles(cluster, 1)
+        lying(liar)
+        auditing(first, ALWAYS)
+        auditing(second, 0.0)
+        honest_hash = first.state.fragment_hash(0)
+        await asyncio.gather(
+            first.link.contribute(0, 1, first.frame(1.0, round_id=1)),
+            second.link.contribute(0, 1, second.frame(2.0, round_id=1)),
+        )
+        records = cluster.network._dht._records[notices_key(RUN)]
+        (honest_subkey, honest_notice), = records.items()
+        del records[honest_subkey]  # it comes later: the Sybils' go first
+        lie = second.replicas.committed(0, 1)
+        sybils = await flood_notices(cluster, lie, 2)
+        audits = second.replicas.audits
+        audits.live_learners = lambda: sybils + list(cluster.nodes)
+        clock = [0.0]
+        audits.clock = lambda: clock[0]
+        for _ in range(4):
+            await second.replicas.check_notices()
+            clock[0] += 60.0
+        assert audits.notice_verifications == 2 and liar.peer_id not in second.replicas.entitlement.banned
+        records[honest_subkey] = honest_notice
+        await second.replicas.check_notices()
+        assert liar.peer_id in second.replicas.entitlement.banned
+        assert second.state.round_of(0) == 1 and second.state.fragment_hash(0) == honest_hash
+
+    scenario(3, body)

@@ -58,8 +58,10 @@ NOTICE_READ_INTERVAL_S = 10.0
 MAX_VERIFICATIONS_PER_READ = 1
 """Notices verified per read: each may download a fragment from its notifier."""
 MAX_TRIES_PER_RECORD = 2
-"""Notices verified per accused record, at most, whoever sent them (one that checks out,
-OK or mismatch, ends it: the verdict is ours)."""
+"""Notices from peers the chain never named verified per accused record, at most (one that
+checks out, OK or mismatch, ends it: the verdict is ours). A notifier the chain named gets
+one try of its own on each record, first: two Sybil notices that fail to check out must not
+use up the tries an honest auditor's notice needs."""
 NOTICES_PER_NOTIFIER_PER_S = 1 / 600
 """A notifier's notices are verified at most this often, after a burst of two."""
 MAX_NOTICES_SEEN = 1 << 16
@@ -127,6 +129,9 @@ class Audits:
         self._records_verified: set[tuple[int, int, str]] = set()
         """(fragment, round, digest) of the records a notice made us verify (OK or mismatch)."""
         self._notice_tries: dict[tuple[int, int, str], int] = {}
+        """(fragment, round, digest) -> notices from unnamed notifiers tried on that record."""
+        self._named_tries: set[tuple[tuple[int, int, str], str]] = set()
+        """(record key, notifier) tried, for notifiers the chain named (one try each)."""
         self.notice_limiter = RateLimiter(rate_per_s=NOTICES_PER_NOTIFIER_PER_S, burst=2)
         self.notice_verifications = 0
         """Notices verified so far (each may have downloaded a fragment)."""
@@ -284,9 +289,10 @@ class Audits:
         fragments (issue 28, item 11). Now the notices are read at most every
         `NOTICE_READ_INTERVAL_S`; a notice counts only from a live learner, within
         its notifier's rate (`NOTICES_PER_NOTIFIER_PER_S`), for the record this replica
-        follows; each record is verified once (OK or mismatch: never again) and tried at
-        most `MAX_TRIES_PER_RECORD` times; at most `MAX_VERIFICATIONS_PER_READ`
-        verifications run per read.
+        follows; each record is verified once (OK or mismatch: never again), tried at most
+        `MAX_TRIES_PER_RECORD` times for notifiers the chain never named and once for each
+        one it named (theirs first); at most `MAX_VERIFICATIONS_PER_READ` verifications
+        run per read.
         """
         if self.auditor is None:
             return
@@ -296,24 +302,33 @@ class Audits:
         self._notices_read_at = now
         raw = await self.transport.get(notices_key(self.run))
         live = set(self.live_learners())
+        named = frozenset().union(
+            *(r.named for f in range(self.state.num_fragments) for r in chain_of(f).values())
+        )
         verifications = 0
-        for subkey, (value, _expiration) in list(raw.items())[:MAX_NOTICES]:
+        # notices of peers the chain named first: a flood of strangers' waits behind them
+        ordered = sorted(raw.items(), key=lambda item: (str(item[0]).rpartition("/")[2] not in named, str(item[0])))
+        for subkey, (value, _expiration) in ordered[:MAX_NOTICES]:
             if verifications >= MAX_VERIFICATIONS_PER_READ:
                 break  # the rest waits for the next read (not marked seen)
-            notice = self._notice_to_verify(subkey, value, live, record_of)
+            notice = self._notice_to_verify(subkey, value, live, record_of, named)
             if notice is None:
                 continue
             record = record_of(notice.fragment, notice.round)
             assert record is not None  # checked by _notice_to_verify
             verifications += 1
             key = (record.fragment, record.round, record.digest)
-            self._notice_tries[key] = self._notice_tries.get(key, 0) + 1
+            if notice.auditor in named:
+                self._named_tries.add((key, notice.auditor))
+            else:
+                self._notice_tries[key] = self._notice_tries.get(key, 0) + 1
             verdict = await self._verify_notice(record, notice, chain_of, parent_hash, convicted)
             if verdict in (OK, MISMATCH):
                 self._records_verified.add(key)
 
     def _notice_to_verify(
-        self, subkey: object, value: object, live: set[str], record_of: Callable[[int, int], RoundRecord | None]
+        self, subkey: object, value: object, live: set[str], record_of: Callable[[int, int], RoundRecord | None],
+        named: frozenset[str] = frozenset(),
     ) -> FraudNotice | None:
         """The notice under `subkey` if it is worth a verification now, else None (and,
         unless only the rate stood in its way, never looked at again)."""
@@ -327,7 +342,7 @@ class Audits:
         key = None if record is None else (record.fragment, record.round, record.digest)
         if (
             record is None or record.digest != notice.digest or notice.auditor not in live
-            or key in self._records_verified or self._notice_tries.get(key, 0) >= MAX_TRIES_PER_RECORD
+            or key in self._records_verified or self._tries_spent(key, notice.auditor, named)
         ):  # fmt: skip
             self._remember_seen(subkey)
             return None
@@ -335,6 +350,13 @@ class Audits:
             return None  # this notifier's rate is spent: maybe on a later read
         self._remember_seen(subkey)
         return notice
+
+    def _tries_spent(self, key: tuple[int, int, str], auditor: str, named: frozenset[str]) -> bool:
+        """Whether `auditor`'s notice on the record `key` may no longer be tried: a named
+        notifier's own try, or the strangers' shared `MAX_TRIES_PER_RECORD`."""
+        if auditor in named:
+            return (key, auditor) in self._named_tries
+        return self._notice_tries.get(key, 0) >= MAX_TRIES_PER_RECORD
 
     def _remember_seen(self, subkey: str) -> None:
         self._notices_seen.add(subkey)
