@@ -121,6 +121,8 @@ class AttackedSwarm:
         # stdin stays open: the attacker stays in the DHT (its junk reachable) until it closes
         # the long attacks (trickled bodies, floods) last the window and a margin
         lasting = {"SLOW_BODIES_S": f"{self.setting.window_s + 10:g}", "FLOOD_S": f"{self.setting.window_s + 10:g}"}
+        # a key the chain named: learner 0's, as a learner turned attacker has its own
+        lasting["LATE_RIVAL_KEY"] = str(self.workdir / "learner0" / "id.key")
         self.attacker = Child.spawn(args, "adversary", cwd=REPO, env={**_env(), **lasting}, stdin=True)
         self.attacker.wait_ready(timeout_s)
         return time.time()

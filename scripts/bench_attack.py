@@ -295,6 +295,11 @@ NETWORK_ATTACKS: dict[str, str] = {
     "notice_flood": "notice_flood",
     "hold_flood": "hold_flood",
     "forgeries": "forged_heartbeats,plain_values,fake_members,forged_records,bad_contributions,state_flood",
+    # issue 42: learner 0's key (named by the chain) signs late rivals of old rounds and
+    # floods the round key; a free key keeps a chain longer than the head
+    "late_rivals": "late_rivals",
+    "record_flood": "record_flood",
+    "free_chain": "free_chain",
 }
 """Attacks a stranger runs over the network against real peer processes (attack_swarm.py)."""
 QUICK_NETWORK = ("none", "sybil_heartbeats", "hijacked_rounds", "slow_bodies")
