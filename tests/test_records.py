@@ -65,7 +65,7 @@ def test_one_signers_flood_of_valid_records_never_keeps_an_honest_commit_out() -
     assert sum(s.endswith("/honest") for s in kept) == 50  # not one honest record lost
     assert sum(len(v) for v, _ in kept.values()) <= MAX_KEY_BYTES
     flood = sum(len(v) for s, (v, _) in kept.items() if s.endswith("/attacker"))
-    assert flood <= MAX_OWNER_BYTES  # one key holds an eighth of the key at most
+    assert flood <= MAX_OWNER_BYTES  # one key holds its share of the key at most
 
 
 def test_a_flood_from_many_free_keys_costs_an_honest_signer_its_oldest_records_not_its_commit() -> None:

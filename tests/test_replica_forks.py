@@ -379,6 +379,42 @@ def test_a_late_rival_that_outranks_a_final_round_rewinds_no_replica() -> None:
     scenario(3, body)
 
 
+def test_records_the_dht_forgot_of_rounds_a_replica_applied_do_not_break_its_chain() -> None:
+    """A key the chain named floods the round key with a chain of rounds far ahead; at
+    every DHT node its own share then keeps those and drops its older records, the honest
+    rounds it synchronized among them. A replica still has the records it applied: before,
+    the hole after its final round sent it to the usual rules over everything past it, and
+    it followed the flood's long chain (a bench swarm committed 6 rounds a minute, not 136)."""
+
+    async def body(swarm: Swarm) -> None:
+        synchronizer, *others = swarm.by_id
+        for round_id in range(8):
+            record, update = synchronizer.commit(1.0 + round_id)
+            await synchronizer.install(record, update)
+            await sync_all(others, passes=1)
+        head = synchronizer.hash()
+        key = rounds_key(RUN, 0)
+        records = swarm.network._dht._records[key]
+        for round_id in (5, 6):  # evicted at the DHT nodes
+            del records[record_subkey(round_id, synchronizer.peer_id)]
+        parent = "a" * 64
+        for round_id in range(20, 60):  # the flood's own chain, from nowhere
+            flood = signed_record(synchronizer.transport.identity, RUN, RoundRecord(
+                round=round_id, fragment=0, synchronizer=synchronizer.peer_id, hash=f"{round_id:064x}",
+                parent=parent, digest="d" * 64, closed_at=synchronizer.transport.now(),
+            ))  # fmt: skip
+            swarm.network._store(key, record_subkey(round_id, synchronizer.peer_id), flood.sealed,
+                                 synchronizer.transport.now() + 3600)  # fmt: skip
+            parent = flood.hash
+        for peer in swarm.live():
+            chain = await peer.replicas.read_chain(0)
+            assert max(chain) == 7 and chain[7].hash == head, sorted(chain)
+        await sync_all(swarm.live())
+        assert {p.state.round_of(0) for p in swarm.live()} == {8} and {p.hash() for p in swarm.live()} == {head}
+
+    scenario(3, body)
+
+
 @pytest.mark.parametrize(
     ("vouching", "restarted"), [(True, False), (False, False), (True, True)],
     ids=["vouched", "by-hash-alone", "after-a-restart"],

@@ -27,10 +27,12 @@ MAX_KEY_BYTES = 12 << 20
 MAX_RECORDS_PER_OWNER = 256
 """Records one owner keeps under a key (`owner_of`): its newest 256 (a synchronizer elected
 every round of 14 s rounds keeps the hour a round record lives)."""
-MAX_OWNER_BYTES = MAX_KEY_BYTES // 8
-"""Bytes one owner keeps under a key: 1.5 MiB, 6 KiB for each of its 256 records (sealed
-round records measured 0.8 KiB with 4 contributors, 1.8 KiB with 16, 5.5 KiB with 64), so
-one key's flood holds an eighth of a key, not all of it."""
+MAX_OWNER_BYTES = 512 << 10
+"""Bytes one owner keeps under a key: 512 KiB, 2 KiB for each of its 256 records (sealed
+round records measured 0.8 KiB with 4 contributors, 1.8 KiB with 16, 5.5 KiB with 64: a
+synchronizer of 64-learner windows keeps its last 93), so one key's flood holds a
+twenty-fourth of a key, and what every replica reads on every look at the chain grows by
+at most that much for each key that floods."""
 
 
 def owner_of(subkey: str) -> str:

@@ -49,7 +49,7 @@ def test_sybils_replayed_beats_and_hijack_records_do_not_halt_an_open_run(tmp_pa
     nowhere). Before: 0 rounds in 90 s (Sybils), and no round after the first hijacked
     one. Last (issue 42, item 4) the named key floods the round key with 500 records of
     ~5 KiB for rounds ahead (2.7 MB), 40 free keys one each: each DHT node keeps the named key's
-    newest 1.5 MiB. Now every peer goes on applying honest rounds with identical hashes."""
+    newest 512 KiB. Now every peer goes on applying honest rounds with identical hashes."""
     boot = start_bootstrap()
     named_key = tmp_path / "named.key"
     named = write_identity(named_key)
