@@ -430,5 +430,7 @@ class Committer:
                 "sync_s": elapsed,
                 "hash": update.hash,
                 "clip_norm": result.screening.clip_norm,
+                # the first round whose norms the screening judged against (-1: none)
+                "history_from": record.history_from,
             }
         )

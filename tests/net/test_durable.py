@@ -1,10 +1,14 @@
 """A run outlives every one of its peers (issue 28, item 15: "the model dies with its swarm").
 
 Three peers with identities and checkpoint directories train to round 3 or more; all stop
-cleanly (SIGINT, exit 0), their bootstrap node too, so the DHT forgets the run. They
-come back at different times, the last with an empty directory: the run goes on from the
-rounds they saved (not round 0), the records and hashes of the first life still hold,
-and no round is applied twice.
+cleanly (SIGINT, exit 0), their bootstrap node too, so the DHT forgets the run. Two come
+back together with their checkpoints, the third later with an empty directory, two hours later by
+their clocks (issue 42, item 5: each process's `time.time` shifted, tests/net/skewed_peer.py;
+the machine's clock is not touched), past the hour a round record lives: the run goes on
+from the rounds they saved (not round 0), the records and hashes of the first life still
+hold, no round is applied twice, and the screening judges the first rounds against the
+rounds before the stop. Before, the records they republished were refused as too old: the
+run went on from the newest peer's own chain, and its first windows had no history.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from .harness import start_peer_process
+from .harness import launch_peer_process
 from .swarm_util import (
     Events,
     applied,
@@ -25,6 +29,9 @@ from .swarm_util import (
 
 ROUND_WAIT_S = 300
 SETS = ["sync.num_fragments=2"]
+SKEWED = Path(__file__).resolve().parent / "skewed_peer.py"
+LATER = {"P2PDILOCO_TEST_CLOCK_OFFSET_S": "7200"}
+"""The second life's clocks: two hours on, every process of it alike."""
 
 
 def own(tmp_path: Path, i: int, directory: str = "ckpt") -> list[str]:
@@ -36,13 +43,24 @@ def own(tmp_path: Path, i: int, directory: str = "ckpt") -> list[str]:
     ]  # fmt: skip
 
 
+def later(args: list[str]):
+    """A peer process of the second life: `args` ("-m p2pdiloco ...") run with its clock
+    two hours on."""
+    peer = launch_peer_process([str(SKEWED), *args[2:]], env=LATER)
+    peer.wait_ready(240)
+    return peer
+
+
+def later_many(many: list[list[str]]) -> list:
+    """`later` for several peers launched at the same instant."""
+    peers = [launch_peer_process([str(SKEWED), *args[2:]], env=LATER) for args in many]
+    for peer in peers:
+        peer.wait_ready(240)
+    return peers
+
+
 def restart(tmp_path: Path, i: int, initial: list[str], directory: str = "ckpt") -> Events:
-    return Events(
-        start_peer_process(
-            join_args(initial=initial, sets=SETS, flags=own(tmp_path, i, directory)),
-            ready_timeout_s=240,
-        )
-    )
+    return Events(later(join_args(initial=initial, sets=SETS, flags=own(tmp_path, i, directory))))
 
 
 def stop_all(logs: list[Events]) -> None:
@@ -68,14 +86,18 @@ def test_a_run_resumes_from_its_checkpoints_after_every_peer_stopped(tmp_path: P
     assert all(min(rounds) >= 3 for rounds in saved), saved
     before = applied_hashes_by_round_all(first)
 
-    # a fresh DHT: nothing of the run is left but what the peers saved
-    boot = start_bootstrap()
-    a = restart(tmp_path, 0, boot.maddrs)
-    resumed = a.wait(lambda e: e.get("event") == "resumed", ROUND_WAIT_S)
-    assert resumed["rounds"] == saved[0]
+    # a fresh DHT two hours later: nothing of the run is left but what the peers saved
+    boot = later(["-m", "p2pdiloco", "bootstrap", "--events"])
+    # the two with checkpoints together: one whose last save came a round before the
+    # other's, back alone, would commit that round anew before the other's records of it
+    # are back, and a live round outranks a restored one (the operators' guide: start the
+    # newest first; `docs/operate.md`)
+    a, b = (Events(p) for p in later_many(
+        [join_args(initial=boot.maddrs, sets=SETS, flags=own(tmp_path, i)) for i in (0, 1)]
+    ))  # fmt: skip
+    for log, rounds in ((a, saved[0]), (b, saved[1])):
+        assert log.wait(lambda e: e.get("event") == "resumed", ROUND_WAIT_S)["rounds"] == rounds
     a.wait(lambda e: e.get("event") == "republished", ROUND_WAIT_S)
-    b = restart(tmp_path, 1, boot.maddrs)
-    assert b.wait(lambda e: e.get("event") == "resumed", ROUND_WAIT_S)["rounds"] == saved[1]
     c = restart(tmp_path, 2, boot.maddrs, directory="empty")  # its own identity, nothing on disk
     assert (
         c.wait(lambda e: e.get("event", "").startswith("checkpoint_"), ROUND_WAIT_S)["event"]
@@ -106,6 +128,12 @@ def test_a_run_resumes_from_its_checkpoints_after_every_peer_stopped(tmp_path: P
         assert before[key] == after[key], key
     for f in range(2):
         assert (f, head[f]) in after and (f, 0) not in after
+    # the screening has its history again: the first rounds closed after the restart
+    # judged deltas against the rounds before them (before: their records had expired)
+    for f in range(2):
+        closed = sorted((e["round"], e.get("history_from", -1)) for log in second for e in log.of("round_closed")
+                        if e["fragment"] == f)  # fmt: skip
+        assert closed and closed[0][1] >= 0, closed
     for log in second:
         log.peer.stop(120)
 
