@@ -74,27 +74,38 @@ def test_a_flood_from_many_free_keys_costs_an_honest_signer_its_oldest_records_n
         assert table.store("rounds", f"{round_id}/honest", b"h" * 900, 3600.0, 0.0)
     for n in range(400):  # one big record each: a Sybil per record
         table.store("rounds", f"{1000 + n}/sybil{n}", b"x" * RECORD, 3600.0, 0.0)
-    assert table.store("rounds", "100/honest", b"h" * 900, 3600.0, 1.0)  # the next commit
+    assert table.store("rounds", "100/honest", b"h" * 900, 3601.0, 1.0)  # the next commit
     kept = table.get("rounds", 2.0)
     assert "100/honest" in kept and "99/honest" in kept  # the newest are kept
     assert sum(len(v) for v, _ in kept.values()) <= MAX_KEY_BYTES
 
 
-def test_an_owner_keeps_its_newest_records_and_cannot_push_in_older_ones() -> None:
+def test_an_owner_keeps_the_records_that_expire_last_and_a_replay_cannot_push_them_out() -> None:
     table = RecordTable(max_per_owner=3)
     for round_id in (5, 6, 7):
-        assert table.store("k", f"{round_id}/a", b"v", 10.0, 0.0)
-    assert not table.store("k", "4/a", b"v", 10.0, 0.0)  # older than all it keeps
-    assert table.store("k", "8/a", b"v", 10.0, 0.0)  # its oldest makes room
+        assert table.store("k", f"{round_id}/a", b"v", 10.0 + round_id, 0.0)
+    assert not table.store("k", "4/a", b"v", 14.0, 0.0)  # replayed with its old expiry
+    assert table.store("k", "8/a", b"v", 18.0, 0.0)  # its next commit: the first to expire goes
     assert table.store("k", "1/b", b"v", 10.0, 0.0)  # another owner is not touched
     assert sorted(table.get("k", 0.0)) == ["1/b", "6/a", "7/a", "8/a"]
 
 
+def test_a_key_flooding_rounds_far_ahead_cannot_keep_its_own_next_commit_out() -> None:
+    """By round, an owner kept its highest: a named key that signed 300 rounds ahead
+    made every DHT node refuse its next real commit (older than all it kept), and its
+    windows failed (a bench swarm lost 11 deltas in 30 s)."""
+    table = RecordTable()
+    for n in range(300):
+        table.store("rounds", f"{1000 + n}/named", b"x" * 5000, 1800.0, 0.0)
+    assert table.store("rounds", "10/named", b"h" * 900, 3601.0, 1.0)
+    assert "10/named" in table.get("rounds", 2.0)
+
+
 def test_a_full_key_of_one_record_owners_refuses_newcomers_and_drops_nobody() -> None:
-    sizes = {f"peer{n}": 10 for n in range(4)}  # heartbeats: one record per peer
-    assert make_room(sizes, "peer9", 10, max_bytes=40) is None
-    assert make_room(sizes, "peer9", 10, max_bytes=40, max_count=4) is None
-    assert make_room(sizes, "peer1", 10, max_bytes=40) == []  # a peer's own renewal fits
+    held = {f"peer{n}": (10, 5.0) for n in range(4)}  # heartbeats: one record per peer
+    assert make_room(held, "peer9", 10, 9.0, max_bytes=40) is None
+    assert make_room(held, "peer9", 10, 9.0, max_bytes=40, max_count=4) is None
+    assert make_room(held, "peer1", 10, 9.0, max_bytes=40) == []  # a peer's own renewal fits
 
 
 def test_owner_and_order_of_a_subkey() -> None:

@@ -86,8 +86,8 @@ class SharedRoomStorage(DHTLocalStorage):
             old = entries.get(subkey)
             if old is not None and old.expiration_time >= expiration_time:
                 return False
-            sizes = {s: len(item.value) for s, item in entries.items() if isinstance(s, str)}
-            drop = make_room(sizes, subkey, len(value))
+            held = {s: (len(item.value), item.expiration_time) for s, item in entries.items() if isinstance(s, str)}
+            drop = make_room(held, subkey, len(value), expiration_time)
             if drop is None:
                 return False
             for gone in drop:

@@ -25,8 +25,8 @@ MAX_VALUE_BYTES = 1 << 20
 MAX_KEY_BYTES = 12 << 20
 """All values under one key: what one `get` answer may carry."""
 MAX_RECORDS_PER_OWNER = 256
-"""Records one owner keeps under a key (`owner_of`): its newest 256 (a synchronizer elected
-every round of 14 s rounds keeps the hour a round record lives)."""
+"""Records one owner keeps under a key (`owner_of`): the 256 that expire last (a
+synchronizer elected every round of 14 s rounds keeps the hour a round record lives)."""
 MAX_OWNER_BYTES = 512 << 10
 """Bytes one owner keeps under a key: 512 KiB, 2 KiB for each of its 256 records (sealed
 round records measured 0.8 KiB with 4 contributors, 1.8 KiB with 16, 5.5 KiB with 64: a
@@ -48,53 +48,62 @@ def order_of(subkey: str) -> int:
 
 
 def make_room(
-    sizes: Mapping[str, int],
+    records: Mapping[str, tuple[int, float]],
     subkey: str,
     size: int,
+    expiration: float,
     max_bytes: int = MAX_KEY_BYTES,
     max_count: int = MAX_SUBKEYS_PER_KEY,
     max_per_owner: int = MAX_RECORDS_PER_OWNER,
     max_owner_bytes: int = MAX_OWNER_BYTES,
 ) -> list[str] | None:
-    """The subkeys to drop so that a record of `size` bytes fits under `subkey`, or None
-    to refuse it. `sizes`: the key's live records (subkey -> bytes), the one `subkey`
-    replaces excluded.
+    """The subkeys to drop so that a record of `size` bytes expiring at `expiration` fits
+    under `subkey`, or None to refuse it. `records`: the key's live records (subkey ->
+    (bytes, expiration)), the one `subkey` replaces excluded.
 
     The room is shared so that a flood, from one key or many, costs an honest owner
     nothing it needs: an owner over `max_per_owner` records or `max_owner_bytes` gives up
-    its own oldest records (or the newcomer, when it is the oldest); a full key takes the oldest record of the owner that
-    holds the most bytes (the newcomer counted with its owner), among owners of two records
-    or more, so whoever floods pays first and an owner's newest record is always stored.
-    A key full of one-record owners refuses newcomers, as before (a heartbeat never
-    pushes out another peer's)."""
-    room = {s: n for s, n in sizes.items() if s != subkey}
-    owner, order = owner_of(subkey), order_of(subkey)
+    its records that expire first (the newcomer itself when it would be the first); a full
+    key takes the first-expiring record of the owner that holds the most bytes (the
+    newcomer counted with its owner), among owners of two records or more, so whoever
+    floods pays first. By expiry, not by round: a key that signs rounds far ahead cannot
+    keep its own next commit out (it expires later than the flood stored before it), and a
+    record replayed with its old expiry cannot push out a newer one. A key full of
+    one-record owners refuses newcomers, as before (a heartbeat never pushes out another
+    peer's)."""
+    room = {s: r for s, r in records.items() if s != subkey}
+    owner = owner_of(subkey)
     drop: list[str] = []
-    mine = sorted((order_of(s), s) for s in room if owner_of(s) == owner)
-    mine_bytes = sum(room[s] for _, s in mine)
+
+    def first_to_expire(candidates: list[str]) -> str:
+        return min(candidates, key=lambda s: (expiration, 0, s) if s == subkey else (room[s][1], 1, s))
+
+    mine = [s for s in room if owner_of(s) == owner]
+    mine_bytes = sum(room[s][0] for s in mine)
     while mine and (len(mine) >= max_per_owner or mine_bytes + size > max_owner_bytes):
-        lowest_order, lowest = mine.pop(0)
-        if lowest_order >= order:
+        victim = first_to_expire([*mine, subkey])
+        if victim == subkey:
             return None
-        drop.append(lowest)
-        mine_bytes -= room.pop(lowest)
+        mine.remove(victim)
+        drop.append(victim)
+        mine_bytes -= room.pop(victim)[0]
     if size > max_owner_bytes:
         return None
-    held = sum(room.values())
+    held = sum(n for n, _ in room.values())
     while held + size > max_bytes or len(room) >= max_count:
         by_owner: dict[str, list[str]] = {owner: [subkey]}
         for s in room:
             by_owner.setdefault(owner_of(s), []).append(s)
-        sizes_of = {**room, subkey: size}
+        size_of = {**{s: n for s, (n, _) in room.items()}, subkey: size}
         many = [o for o, held_by in by_owner.items() if len(held_by) >= 2]
         if not many:
             return None
-        top = max(many, key=lambda o: (sum(sizes_of[s] for s in by_owner[o]), len(by_owner[o]), o))
-        victim = min(by_owner[top], key=lambda s: (order_of(s), s != subkey, s))
+        top = max(many, key=lambda o: (sum(size_of[s] for s in by_owner[o]), len(by_owner[o]), o))
+        victim = first_to_expire(by_owner[top])
         if victim == subkey:
             return None
         drop.append(victim)
-        held -= room.pop(victim)
+        held -= room.pop(victim)[0]
     return drop
 
 
@@ -173,10 +182,11 @@ class RecordTable:
         if old is not None and old[1] >= expiration_time:
             return False
         self._expire(records, now)
-        sizes = {s: len(v) for s, (v, _) in records.items()}
+        held = {s: (len(v), exp) for s, (v, exp) in records.items()}
         drop = make_room(
-            sizes, subkey, len(value), self.max_key_bytes, self.max_subkeys_per_key, self.max_per_owner
-        )
+            held, subkey, len(value), expiration_time, self.max_key_bytes, self.max_subkeys_per_key,
+            self.max_per_owner,
+        )  # fmt: skip
         if drop is None:
             return False
         for gone in drop:
