@@ -186,6 +186,16 @@ def test_a_refused_delta_is_reported_lost_and_leaves_the_model(tiny_config, tiny
     assert lost and lost[0]["steps"] == 2 and lost[0]["reason"].startswith("refused")
 
 
+def first_round_merged(learner, state, sent) -> None:
+    """Two steps, shipped to round 0, merged there, the update applied and taken over."""
+    train(learner, 2)
+    ship(learner, 0)
+    sent[0][3].set_result(Outcome("merged", 0, 0, "sync", 1.0))
+    learner.collect_outcomes()
+    apply(state)
+    learner.take_over_updates()
+
+
 @pytest.mark.parametrize("outcome", [Outcome("late", 1, 0, "sync"), Outcome("rejected", 1, 0, "sync", reason="x")])
 def test_error_feedback_keeps_back_only_what_merged_deltas_left(tiny_config, tiny_corpus, outcome) -> None:
     """sparse2 sends 1.6% of a delta; error feedback keeps the rest for the next one. The
@@ -194,12 +204,7 @@ def test_error_feedback_keeps_back_only_what_merged_deltas_left(tiny_config, tin
     deltas left behind stays: reset, it lost their work; kept, it counted twice."""
     learner, state, sent = make_learner(with_codec(tiny_config, "sparse2"), tiny_corpus)
     learner.contributors_of = lambda f, r: {(0, 0): frozenset({"me"})}.get((f, r))
-    train(learner, 2)
-    ship(learner, 0)
-    sent[0][3].set_result(Outcome("merged", 0, 0, "sync", 1.0))
-    learner.collect_outcomes()
-    apply(state)
-    learner.take_over_updates()
+    first_round_merged(learner, state, sent)
     assert learner.progress.rounds_contributed == 1
     left = learner.feedback.state_dict()  # what the merged delta's bytes did not carry
     assert sum(bool(t.any()) for t in left.values()) > 0
@@ -220,12 +225,7 @@ def test_a_rival_record_moves_a_decided_delta_back_or_out(tiny_config, tiny_corp
     listed = {(0, 0): frozenset({"me"})}
     learner, state, sent = make_learner(config, tiny_corpus)
     learner.contributors_of = lambda f, r: listed.get((f, r))
-    train(learner, 2)
-    ship(learner, 0)
-    sent[0][3].set_result(Outcome("merged", 0, 0, "sync", 1.0))
-    learner.collect_outcomes()
-    apply(state)
-    learner.take_over_updates()
+    first_round_merged(learner, state, sent)
     settled = local_params(learner)
     _, delta = sent_delta(sent)
     learner.round_settled(0, 0, {"rival"})
