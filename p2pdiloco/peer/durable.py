@@ -13,9 +13,10 @@ restarted peer holds, and peers with an empty directory download that state (ver
 by hash against the same records, `roles.download`). A record closed so long ago that
 the DHT's rules would refuse it (or keep it less than half its lifetime) goes back in a
 resume envelope this peer signs now (`rounds.seal_resumed`): the record inside is its
-synchronizer's, checked as ever, and its chain gives the screening its history again. It publishes nothing when the DHT
-already holds a record at or past the restored round (the swarm went on without us:
-our older records would only add rivals to rounds it has settled). A joiner at round 0
+synchronizer's, checked as ever, and its chain gives the screening its history again.
+It publishes nothing when the DHT already holds a record at or past the restored round
+(the swarm went on without us: our older records would only add rivals to rounds it has
+settled). A joiner at round 0
 that sees no record while live peers say they are past it waits, bounded, for the
 records (`wait_for_chain`) rather than start the run over.
 """
@@ -196,7 +197,7 @@ class GlobalCheckpoint:
                 key = rounds_key(self.run, fragment, record.round, epochs)
                 now = transport.now()
                 value = record.sealed
-                if record.closed_at + ROUND_RECORD_TTL_S < now + ROUND_RECORD_TTL_S / 2:
+                if record.closed_at < now - ROUND_RECORD_TTL_S / 2:  # would live under half a life
                     value = seal_resumed(transport.identity, self.run, record, now, self.certificates)
                 return await transport.store(key, subkey, value, now + ROUND_RECORD_TTL_S)
 

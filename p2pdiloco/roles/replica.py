@@ -152,11 +152,7 @@ class ReplicaSync:
         self.server.synchronizers = lambda: synchronizer_candidates(
             self.members(), self.entitlement.may_synchronize, self.entitlement.proven_anywhere()
         )
-        # a hold comes from a peer this replica could elect, or one the chain named (a
-        # synchronizer missing from this view); any identity used to be ranked in
-        self.server.may_hold = lambda caller: (
-            caller in self.server.synchronizers() or caller in self.entitlement.proven_anywhere()
-        )
+        self.server.named = self.entitlement.proven_anywhere
         self.downloads = StateDownload(transport, run, state, members, limits, worker, on_event)
         self.audits = Audits(
             transport, run, state, limits, worker, self.entitlement, self.downloads, on_event, auditor, audit_share

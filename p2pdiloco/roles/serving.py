@@ -140,11 +140,10 @@ class UpdateServer:
         self.worker = worker
         self.store = ServedFrames()
         self.synchronizers: Callable[[], list[str]] = lambda: []
-        self.may_hold: Callable[[str], bool] = lambda caller: True
-        """Whether a caller may push an update to hold at all (the replica sets it: a peer
-        this one could elect, or one the chain named); the election order says for which
-        rounds."""
         """The peers this replica sees as synchronizer candidates (`hold_refusal`)."""
+        self.named: Callable[[], frozenset[str]] = frozenset
+        """The peers the chain named (set by the replica): a synchronizer missing from this
+        view may still push a hold; any other caller outside the candidates may not."""
         self.records: Callable[[int, int], list[bytes]] = lambda fragment, from_round: []
         """The sealed records this peer holds of (fragment) from a round on (set by the
         replica: `peer_records.served` over what it read)."""
@@ -191,15 +190,15 @@ class UpdateServer:
         if isinstance(update, wire.Rejected):
             log.warning("refused update to hold peer=%s reason=%r", caller[-8:], update.reason)
             return self._reply(-1, 0, messages.REJECTED, reason=update.reason)
+        candidates = self.synchronizers()
         if update.synchronizer != caller:
             reason = "update names another synchronizer"
-        elif not self.may_hold(caller):
+        elif caller not in candidates and caller not in self.named():
             reason = "caller may not synchronize"
         else:
             reason = hold_refusal(
-                self.run, update.round, update.fragment, caller, self.state.round_of(update.fragment),
-                self.synchronizers(),
-            )  # fmt: skip
+                self.run, update.round, update.fragment, caller, self.state.round_of(update.fragment), candidates
+            )
         if reason:
             log.warning("refused update to hold peer=%s reason=%r", caller[-8:], reason)
             return self._reply(update.round, update.fragment, messages.REJECTED, reason=reason)
