@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from p2pdiloco.config import RunConfig, replace  # noqa: E402
 from p2pdiloco.protocol.membership import settle_s  # noqa: E402
-from p2pdiloco.sim.links import LOOPBACK, Population  # noqa: E402
+from p2pdiloco.sim.links import LOOPBACK, Population, StepTrace  # noqa: E402
 from p2pdiloco.sim.swarm import applied_pace, sim_config, simulate  # noqa: E402
 from p2pdiloco.transport.traffic import PROTOCOL  # noqa: E402
 
@@ -70,6 +70,9 @@ SHARED_MACHINE_CORES = 0.25
 """Above this many cores busy with other work, on average, during the real run, the
 machine was shared (a CI worker running other tests, a CPU hog): the simulator, which
 charges no time for the CPU, is not expected to follow the real round pace there."""
+REPLAY_STEPS = True
+"""The simulated learners replay the real learners' steps over time (`StepTrace`); False:
+each trains at its real mean step time throughout (`--mean-steps`)."""
 AGREEMENT_TOLERANCE = 0.10
 """The largest relative error of a simulated figure against real processes before the
 simulator's figures at N = 1,000 are not to be trusted (issue 29)."""
@@ -266,6 +269,7 @@ def real_swarm(n: int, rounds: int) -> dict[str, Any]:
         summaries = [peer.first("summary") for peer in peers]
         closes = [e for peer in peers for e in peer.of("round_closed")]
         applied = [[[e["fragment"], e["round"], e["t"]] for e in peer.of("applied")] for peer in peers]
+        steps = [[[e["t"], e["step"]] for e in peer.of("step")] for peer in peers]
         # before they stop: their DHT processes and daemons are still there to count
         ours = sum(tree_cpu_s(child.popen.pid) for child in [boot, *peers])
         others = (machine_busy_s() - busy_before - ours) / (time.monotonic() - started)
@@ -275,7 +279,7 @@ def real_swarm(n: int, rounds: int) -> dict[str, Any]:
         boot.stop(10)
     return {
         "summaries": summaries, "closes": len(closes), "other_cores": max(others, 0.0),
-        "applied": applied,
+        "applied": applied, "steps": steps,
     }  # fmt: skip
 
 
@@ -312,6 +316,20 @@ def real_applied(summaries: list[dict[str, Any]], applied: list[list[list[float]
         for fragment, round_id, t in events:
             instants.setdefault((int(fragment), int(round_id)), []).append(t - start)
     return instants
+
+
+def real_traces(summaries: list[dict[str, Any]], steps: list[list[list[float]]]) -> list[StepTrace] | None:
+    """Each real learner's (seconds since the start of its traffic span, steps done), from
+    its `step` events: what the simulated learners replay. None where a saved run lacks
+    them (kept since issue 42's CI run) or a learner logged fewer than two."""
+    traces = []
+    for summary, events in zip(summaries, steps, strict=True):
+        start = summary["t"] - summary["traffic_s"]
+        points = sorted({int(step): t - start for t, step in events}.items())
+        if len(points) < 2:
+            return None
+        traces.append(StepTrace(tuple((t, step) for step, t in points)))
+    return traces
 
 
 def real_figures(summaries: list[dict[str, Any]], applied: list[list[list[float]]]) -> dict[str, float]:
@@ -358,9 +376,11 @@ def agreement(
     # a learner's whole loop per step (training, shipping, applying): its real pace
     step_times = [s["loop_s"] / max(s["steps"], 1) for s in summaries]
     span = statistics.median(s["traffic_s"] for s in summaries)
+    traces = real_traces(summaries, real.get("steps") or [[] for _ in summaries])
     config = sim_config(inner_steps=20)
     figures = simulate(
-        n, span, config=config, population=LOOPBACK, warmup_s=0.0, step_times_s=step_times
+        n, span, config=config, population=LOOPBACK, warmup_s=0.0, step_times_s=step_times,
+        step_traces=traces if REPLAY_STEPS else None,
     )
     simulated = {
         "protocol_bytes_per_s_per_peer": figures.protocol_bytes_per_s_per_peer["p50"],
@@ -382,6 +402,8 @@ def agreement(
         "agrees": all(e is not None and e <= AGREEMENT_TOLERANCE for e in errors.values()),
         "other_cores": real.get("other_cores"),
         "applied": applied,
+        "steps": real.get("steps"),
+        "replayed_steps": traces is not None and REPLAY_STEPS,
         "real_peers": [{k: s.get(k) for k in kept} for s in summaries],
     }
 
@@ -431,7 +453,13 @@ def main() -> None:
     parser.add_argument("--outer-codec", help="the simulated synchronizers' update codec")
     parser.add_argument("--real-from", type=Path, help="re-simulate the agreement of a saved --json")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument(
+        "--mean-steps", action="store_true",
+        help="agreement: simulated learners train at the real ones' mean step time, not their trace",
+    )
     args = parser.parse_args()
+    global REPLAY_STEPS
+    REPLAY_STEPS = not args.mean_steps
     CODECS.update({"codec": args.codec} if args.codec else {})
     CODECS.update({"outer_codec": args.outer_codec} if args.outer_codec else {})
     sizes = [int(x) for x in args.sizes.split(",") if x and x != "0"]

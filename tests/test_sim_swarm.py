@@ -12,7 +12,7 @@ import torch
 
 from p2pdiloco import compress, wire
 from p2pdiloco.sim.fair_share import FairShareLinks
-from p2pdiloco.sim.links import LOOPBACK, Population
+from p2pdiloco.sim.links import LOOPBACK, Population, StepTrace
 from p2pdiloco.sim.swarm import (
     PARAMS,
     PresetBytes,
@@ -271,3 +271,27 @@ def test_a_simulated_swarm_reports_its_pace_up_to_its_last_round() -> None:
     assert figures.rounds >= 2
     # at most the rounds committed (and a part of the next) fit in the span at that pace
     assert 0 < figures.rounds_per_min * figures.seconds / 60 <= figures.rounds + 1
+
+
+def test_a_step_trace_is_read_between_its_points_and_at_its_ends_at_the_nearest_pace() -> None:
+    trace = StepTrace(((10.0, 10), (20.0, 20), (60.0, 30)))
+    assert trace.seconds_at(15) == pytest.approx(15.0)
+    assert trace.seconds_at(25) == pytest.approx(40.0)  # the slow segment
+    assert trace.seconds_at(40) == pytest.approx(100.0)  # past the end, at the last pace
+    assert trace.seconds_at(5) == pytest.approx(5.0) and trace.seconds_at(-50) == 0.0
+    for points in [((0.0, 10),), ((0.0, 10), (1.0, 10)), ((2.0, 10), (1.0, 20))]:
+        with pytest.raises(ValueError):
+            StepTrace(points)
+
+
+def test_simulated_learners_replaying_a_stall_close_no_round_during_it() -> None:
+    """Learners that did nothing for their first 60 s and then 0.5 s a step: the simulated
+    ones ship nothing before 60 s, so fewer rounds fit in 150 s than at a steady 0.5 s."""
+    config = sim_config(inner_steps=20)
+    stalled = StepTrace(((60.0, 1), (60.5, 2)))
+    steady = simulate(4, 150.0, config=config, population=LOOPBACK, warmup_s=0.0)
+    replayed = simulate(
+        4, 150.0, config=config, population=LOOPBACK, warmup_s=0.0, step_traces=[stalled] * 4
+    )
+    assert replayed.rounds >= 1
+    assert replayed.rounds < steady.rounds

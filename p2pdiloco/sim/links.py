@@ -23,6 +23,7 @@ it comes from (docs/scale.md lists them with the sources):
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import dataclass
@@ -107,3 +108,31 @@ LOOPBACK = Population(
 )
 """This machine's loopback (hivemind streams ~178 MB/s): what the agreement check with
 real processes runs on."""
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """When a real learner had done how many inner steps: (seconds since its start, steps)
+    points, the `step` events of a real run. A simulated learner that replays one trains
+    at the real learner's pace moment by moment, not at its mean: on a machine shared
+    with other work a learner's speed comes in bursts, and a round closes when its quorum
+    of learners gets there, so the pace of rounds follows the learners that were fast at
+    that moment; with every learner at its mean, the simulator closed rounds 12-14 % slower
+    than the real swarm on a CI worker (issue 42's CI run)."""
+
+    points: tuple[tuple[float, int], ...]
+
+    def __post_init__(self) -> None:
+        pairs = itertools.pairwise(self.points)
+        if len(self.points) < 2 or any(b[1] <= a[1] or b[0] < a[0] for a, b in pairs):
+            raise ValueError("a step trace needs 2+ points, steps rising, time not falling")
+
+    def seconds_at(self, steps: float) -> float:
+        """When the learner had done `steps` (linear between points; before the first and
+        after the last, at the pace of the nearest segment), never before 0."""
+        points = self.points
+        i = 1
+        while i < len(points) - 1 and points[i][1] < steps:
+            i += 1
+        (t0, s0), (t1, s1) = points[i - 1], points[i]
+        return max(0.0, t0 + (steps - s0) * (t1 - t0) / (s1 - s0))

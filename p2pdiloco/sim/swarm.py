@@ -54,7 +54,7 @@ from p2pdiloco.roles.replica import ReplicaSync
 from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.roles.synchronizer import Synchronizer
 from p2pdiloco.sim.fair_share import FairShareLinks
-from p2pdiloco.sim.links import PUBLIC, RELAYED, Link, Population
+from p2pdiloco.sim.links import PUBLIC, RELAYED, Link, Population, StepTrace
 from p2pdiloco.sim.virtual_time import InlineExecutor, VirtualClock, run_virtual
 from p2pdiloco.transport.base import PeerUnreachable, TransportError, transfer_timeout_s
 from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
@@ -271,6 +271,8 @@ class SimPeer:
     synchronizer: Synchronizer
     learner_link: LearnerLink
     joined_at: float = 0.0
+    trace: StepTrace | None = None
+    """The real learner's pace this one replays (`Swarm.step_traces`); None: `link.step_s`."""
     tokens_computed: int = 0
     tokens_merged: int = 0
     steps_done: int = 0
@@ -420,11 +422,14 @@ class Swarm:
         preset: PresetBytes | None = None,
         tokens_per_step: int = 1024,
         step_times_s: list[float] | None = None,
+        step_traces: list[StepTrace] | None = None,
     ) -> None:
         self.n = n
         self.step_times_s = step_times_s
         """Per peer (cycled), seconds per inner step instead of the population's draw
         (the agreement check gives the real learners' measured step times)."""
+        self.step_traces = step_traces
+        """Per peer (cycled), a real learner's steps over time to replay (`StepTrace`)."""
         self.config = config
         self.delta_codec = compress.make_codec_from_config(config.compress)
         """The learners' codec with the run's settings (sparse2's chunk and k, zstd, ...)."""
@@ -513,6 +518,8 @@ class Swarm:
         )
         link_ = LearnerLink(transport, RUN, self.config.sync, replicas, members.view, limits)
         peer = SimPeer(transport, link, self.config, state, members, replicas, synchronizer, link_)
+        if self.step_traces:
+            peer.trace = self.step_traces[(len(self.peers)) % len(self.step_traces)]
         holder["peer"] = peer
         replicas.on_settled.append(
             lambda f, r, record: self.applied[(f, r)].append(self.clock.elapsed_s)
@@ -591,7 +598,11 @@ class Swarm:
         tokens = self.config.sync.inner_steps * self.tokens_per_step // fragments
         while True:
             for fragment in range(fragments):
-                await asyncio.sleep(period / fragments)
+                if peer.trace is None:
+                    await asyncio.sleep(period / fragments)
+                else:
+                    due = peer.trace.seconds_at(peer.steps_done + self.config.sync.inner_steps // fragments)
+                    await asyncio.sleep(max(0.0, peer.joined_at + due - self.clock.elapsed_s))
                 peer.tokens_computed += tokens
                 peer.steps_done += self.config.sync.inner_steps // fragments
                 carried = peer.pending_tokens.pop(fragment, 0) + tokens
@@ -793,16 +804,21 @@ def simulate(
     warmup_s: float = 30.0,
     step_times_s: list[float] | None = None,
     update_pushes: int | None = None,
+    step_traces: list[StepTrace] | None = None,
     preset_params: int = PARAMS,
 ) -> SwarmFigures:
     """One simulated run of `n` peers for `seconds` of virtual time. `update_pushes`:
     how many learners a synchronizer pushes a committed update to beyond its holders
     (`commit.MORE_PUSHES`; a large number is the former push to every learner).
     `preset_params`: the parameters of the model preset whose payloads the links carry
-    (`PresetBytes`; the default, the small simulated model itself)."""
+    (`PresetBytes`; the default, the small simulated model itself). `step_traces`: real
+    learners' steps over time, replayed by the simulated learners (`StepTrace`)."""
     config = config or sim_config()
     preset = PresetBytes.of(preset_params, config) if preset_params != PARAMS else None
-    swarm = Swarm(n, config, population or Population(), seed, preset, step_times_s=step_times_s)
+    swarm = Swarm(
+        n, config, population or Population(), seed, preset, step_times_s=step_times_s,
+        step_traces=step_traces,
+    )
     package_log = logging.getLogger("p2pdiloco")
     level, pushes = package_log.level, commit.MORE_PUSHES
     package_log.setLevel(logging.ERROR)  # a thousand peers' routine warnings, not the figures

@@ -3,8 +3,8 @@ trusted only because, in the setting that matters (the embedded default, K < N),
 match a real swarm on this machine.
 
 `simulate_swarm.agreement` runs a bootstrap node and four real `python -m p2pdiloco join`
-peers on 127.0.0.1 until round 12, then simulates four peers with the real learners'
-step times over the real span, and compares protocol, membership and records bytes per
+peers on 127.0.0.1 until round 12, then simulates four peers replaying the real learners'
+steps over time (their `step` events) over the real span, and compares protocol, membership and records bytes per
 second per peer, rounds per minute and goodput (steps merged of those decided).
 
 The simulator charges time to the network, not to the CPU: where other work kept the
@@ -50,10 +50,11 @@ def test_the_simulator_agrees_with_four_real_peers_within_the_tolerance() -> Non
         return
     # Other work kept the machine's cores busy beside the real swarm (other tests of the
     # suite, a loaded CI worker): the real merges and applies queue for the CPU, which the
-    # simulator charges no time for, so the figures that follow the round pace cannot
-    # agree. What must hold still: the membership rate (set by the beat) and the goodput
-    # agree, and the simulator is never the slower one.
+    # simulator charges no time for, so the bytes that follow them need not agree. What
+    # must hold still: the membership rate (set by the beat), the goodput, and the round
+    # pace, since the simulated learners replay the real ones' steps over time (with each
+    # at its mean step time, bursts of other work left the simulator 12-14 % slower).
+    assert entry["replayed_steps"], "the real learners' step events were replayed"
     assert errors["membership_bytes_per_s_per_peer"] <= tolerance, report
     assert errors["goodput"] <= tolerance, report
-    real_pace, simulated_pace = report["rounds_per_min"]
-    assert simulated_pace >= (1 - tolerance) * real_pace, report
+    assert errors["rounds_per_min"] <= tolerance, report
