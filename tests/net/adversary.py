@@ -206,8 +206,9 @@ class Adversary:
         jobs = [(flooder, head + 10 + n) for n in range(rounds)]
         jobs += [(Identity.generate(), head + 10 + n) for n in range(sybils)]
         stored = 0
-        for start in range(0, len(jobs), 25):
-            stored += sum(await asyncio.gather(*(store(s, r) for s, r in jobs[start : start + 25])))
+        for start in range(0, len(jobs), STORE_BATCH):
+            batch = jobs[start : start + STORE_BATCH]
+            stored += sum(await asyncio.gather(*(store(s, r) for s, r in batch)))
         raw = await _stock_get(self.transport, key)
         mine = sum(len(v) for s, v in raw.items() if s.endswith(flooder.peer_id))
         return {
@@ -520,9 +521,34 @@ class Adversary:
         return await stale_donor_attack(self.transport, self.run, self.victims, duration_s, lead, emit)
 
 
+STOCK_GET_S, STOCK_GET_TRIES = 60.0, 3
+"""How long the attacker waits for a stock `DHT.get`, and how often it asks (unbounded, a
+call lost on hivemind's pipe to its DHT process never returns)."""
+STORE_BATCH = 8
+"""Stores the record flood has in flight at once: hivemind's pipe to its DHT process broke
+(BlockingIOError, the attacker hung) with dozens of large stores at once."""
+ATTACK_MARGIN_S = 300.0
+"""How much longer than its set length ($FLOOD_S, $SLOW_BODIES_S, $STALE_DONOR_S) one attack
+may take: past it the attacker reports an error and goes on, so a test fails with the
+attack's name at once, not after its own long wait for the attacker's next line."""
+
+
+def attack_limit_s() -> float:
+    lengths = [float(os.environ.get(name, 0)) for name in ("FLOOD_S", "SLOW_BODIES_S", "STALE_DONOR_S")]
+    return ATTACK_MARGIN_S + max(lengths)
+
+
 async def _stock_get(transport, key: str) -> dict[str, bytes]:
     """`{subkey: value}` under `key` as hivemind's own `DHT.get` returns it (no bound of ours)."""
-    found = await transport._daemon.dht.get(key, latest=True, return_future=True)
+    for attempt in range(STOCK_GET_TRIES):
+        future = transport._daemon.dht.get(key, latest=True, return_future=True)
+        try:
+            found = await asyncio.wait_for(future, STOCK_GET_S)
+            break
+        except TimeoutError:
+            future.cancel()
+            if attempt == STOCK_GET_TRIES - 1:
+                raise
     if found is None or not isinstance(found.value, dict):
         return {}
     return {str(s): item.value for s, item in found.value.items() if isinstance(item.value, bytes)}
@@ -578,7 +604,9 @@ async def main() -> int:
         adversary = Adversary(transport, args.run, args.victims.split(","))
         for attack in args.attacks.split(","):
             try:
-                result = await getattr(adversary, attack)()
+                result = await asyncio.wait_for(getattr(adversary, attack)(), attack_limit_s())
+            except TimeoutError:  # a hung call of the attacker's own DHT client, said at once
+                result = {"error": f"timed out (a DHT call of its own, or the attack past {attack_limit_s():.0f} s)"}
             except Exception as exc:  # noqa: BLE001 - report, go on with the next attack
                 result = {"error": f"{type(exc).__name__}: {exc}"}
             emit({"attack": attack, **result})

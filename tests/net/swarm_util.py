@@ -83,7 +83,11 @@ def adversary_results(
     `on_result` sees each result as it arrives (to act between two attacks)."""
     results: dict[str, dict] = {}
     while True:
-        event = attacker.next_event(timeout_s)
+        try:
+            event = attacker.next_event(timeout_s)
+        except TimeoutError as exc:  # say where it stood and what it wrote to stderr
+            done = ", ".join(results) or "none"
+            raise TimeoutError(f"{exc}; attacks done: {done}; stderr tail:\n{attacker.stderr_tail()}") from exc
         if event.get("done"):
             return results
         results[event["attack"]] = event
