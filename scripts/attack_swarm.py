@@ -166,6 +166,20 @@ def forks(children: list[Child]) -> int:
     return sum(1 for hashes in last.values() if len(hashes) > 1)
 
 
+def on_attacker_states(children: list[Child], attacker: Child | None) -> int:
+    """Honest learners' state downloads of a state the attacker served under a round it
+    was not captured at (its `served_hash`, relabelled): replicas the attacker moved."""
+    if attacker is None:
+        return 0
+    served = {
+        e["served_hash"]: e.get("captured_round") for e in attacker.events if e.get("served_hash")
+    } | {e["hash"]: e.get("round") for e in attacker.events if e.get("forged_state_captured")}
+    return sum(
+        1 for child in children for e in child.of("downloaded")
+        if e.get("hash") in served and e.get("round") != served[e["hash"]]
+    )  # fmt: skip
+
+
 def repairs(children: list[Child], start: float, end: float) -> int:
     """Replicas that found themselves on a losing branch in [start, end) and repaired."""
     return len(_events(children, "repair", start, end))
@@ -210,6 +224,7 @@ def run_swarm(setting: NetSetting, attacks: str | None, log: Callable[[str], Non
                 "clean_lost": lost_deltas(swarm.learners, clean_start, clean_end),
                 "attack_lost": lost_deltas(swarm.learners, attack_start, attack_end),
                 "forks": forks(swarm.learners),
+                "on_attacker_states": on_attacker_states(swarm.learners, swarm.attacker),
                 "repairs": repairs(swarm.learners, attack_start, attack_end),
                 "clean_repairs": repairs(swarm.learners, clean_start, clean_end),
                 "eval": eval_by_round(swarm.learners),
@@ -238,6 +253,7 @@ def attack_figures(attacked: dict[str, Any], reference: dict[str, Any]) -> dict[
         "honest_lost": max(attacked["attack_lost"] - attacked["clean_lost"], 0),
         "honest_lost_raw": attacked["attack_lost"],
         "forks": attacked["forks"],
+        "on_attacker_states": attacked.get("on_attacker_states", 0),
         "repairs": {"clean": attacked["clean_repairs"], "attacked": attacked["repairs"]},
         "crashed": attacked["crashed"],
         "rounds_per_min": {"clean": attacked["clean_rounds_per_min"], "attacked": attacked["attack_rounds_per_min"]},

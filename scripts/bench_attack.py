@@ -300,6 +300,7 @@ NETWORK_ATTACKS: dict[str, str] = {
     "late_rivals": "late_rivals",
     "record_flood": "record_flood",
     "free_chain": "free_chain",
+    "forged_state": "forged_state",
 }
 """Attacks a stranger runs over the network against real peer processes (attack_swarm.py)."""
 QUICK_NETWORK = ("none", "sybil_heartbeats", "hijacked_rounds", "slow_bodies")

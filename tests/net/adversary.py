@@ -470,6 +470,22 @@ class Adversary:
             "refused": refused, "skipped": skipped, "key": me.peer_id,
         }  # fmt: skip
 
+    async def forged_state(self, duration_s: float | None = None) -> dict:
+        """Issue 42, item 2: the key in $LATE_RIVAL_KEY (one the chain named) signs, on every
+        new head of fragment 0, records for the next 10 rounds whose updates exist nowhere,
+        the last naming the hash of a state we captured from a victim, and we serve that
+        state as a learner at the forged head, for `duration_s` (default $FLOOD_S or 30;
+        tests/net/forged_state.py). Before the fix every replica installed it."""
+        from forged_state import forged_state_attack  # noqa: PLC0415 - beside this script
+
+        signer = load_identity(os.environ["LATE_RIVAL_KEY"])
+        duration_s = float(os.environ.get("FLOOD_S", "30")) if duration_s is None else duration_s
+
+        def relabel(frame: bytes, round_id: int) -> bytes:
+            return _rewrite_header(frame, lambda header: header.update(round=round_id))
+
+        return await forged_state_attack(self.transport, self.run, self.victims, signer, duration_s, relabel, emit)
+
     async def replayed_beats(self, wait_s: float = 10.0) -> dict:
         """Issue 28, item 1: capture each victim's signed beat, wait until newer ones were
         written, then replay the captured ones (a `leaving` one if seen) with expiration
