@@ -18,6 +18,7 @@ from p2pdiloco.identity import Identity
 from p2pdiloco.transport.base import PeerUnreachable
 from p2pdiloco.transport.libp2p_peers import MAX_FAILURES, QUARANTINE_S, Known, SwarmPeers
 from p2pdiloco.transport.libp2p_records import RECORDS_GET, RECORDS_STORE, RecordStore
+from p2pdiloco.transport.records import MAX_OWNER_BYTES
 
 TIMEOUT_S = 30.0
 NOW = 1000.0
@@ -167,3 +168,29 @@ def test_a_peer_that_failed_counts_again_once_its_probe_answers() -> None:
         assert flaky in peers.known
 
     trio.run(main)
+
+
+def test_a_replica_answering_megabytes_from_one_owner_costs_the_checks_of_its_share_only() -> None:
+    """A stranger's replica answers 600 records of 5 KiB, all one owner's (subkeys
+    `<round>/<owner>`, 3 MB): each is checked by the rules (a signature check in a run)
+    only within the share a table would keep for that owner, not all 600."""
+    checked: list[str] = []
+
+    class CountingRules:
+        def check(self, key: str, subkey: str, value: bytes, expiration: float, now: float) -> str | None:
+            checked.append(subkey)
+            return None
+
+    flood = {f"{n}/flooder": [bytes(5 * 1024), NOW + 60 + n] for n in range(600)}
+
+    async def call(peer: str, name: str, request: bytes, max_response: int) -> bytes:
+        return msgpack.packb(flood)
+
+    peers = SwarmPeers([], call, TIMEOUT_S)
+    peers.me = "me"
+    peers.known = {"stranger": Known([])}
+    store = RecordStore(peers, call, True, CountingRules(), TIMEOUT_S, lambda: NOW)
+    found, _ = run_timed(store.get, "key")
+    share = MAX_OWNER_BYTES // (5 * 1024)
+    assert 0 < len(found) <= share
+    assert len(checked) <= share < len(flood) // 4

@@ -36,7 +36,7 @@ import trio
 from p2pdiloco.transport.base import Handler, transfer_timeout_s
 from p2pdiloco.transport.libp2p_peers import BUCKET_SIZE, CallPeer, SwarmPeers
 from p2pdiloco.transport.libp2p_routing import QUERY_FAULTS, find_closest, parse_answer
-from p2pdiloco.transport.records import Records, RecordTable, RefusalLog
+from p2pdiloco.transport.records import Records, RecordTable, RefusalLog, within_room
 
 logger = logging.getLogger(__name__)
 
@@ -168,9 +168,11 @@ class RecordStore:
     def merge_valid(self, key: str, into: Records, answer: Records) -> None:
         """Merge one replica's `answer` into `into`: per subkey the record that expires last
         among those that pass the rules. A record is checked only if it would win, so the
-        usual case (every replica answers the same records) checks each record once."""
+        usual case (every replica answers the same records) checks each record once; and
+        only within the room a table would give it (`within_room`), so a stranger's answer
+        of megabytes from one owner costs the checks of that owner's share, not of all."""
         now = self.now()
-        for subkey, (value, expiration) in answer.items():
+        for subkey, (value, expiration) in within_room(answer).items():
             old = into.get(subkey)
             if old is not None and old[1] >= expiration:
                 continue
