@@ -242,6 +242,102 @@ def run_swarm(setting: NetSetting, attacks: str | None, log: Callable[[str], Non
             reap_all()
 
 
+SKEWED_PEER = REPO / "tests" / "net" / "skewed_peer.py"
+LATER_S = 7200.0
+"""How far on the second life's clocks are (`full_stop`): past the hour a round record lives."""
+
+
+def _second_life(swarm: AttackedSwarm) -> tuple[Child, list[Child]]:
+    """A fresh bootstrap node and the same learners (identities, checkpoints; the last with
+    an empty directory), every process with its clock `LATER_S` on (tests/net/skewed_peer.py;
+    the machine's clock is not touched)."""
+    env = {**_env(), "P2PDILOCO_TEST_CLOCK_OFFSET_S": f"{LATER_S:g}"}
+    boot = Child.spawn([sys.executable, str(SKEWED_PEER), "bootstrap", "--events"], "bootstrap2", cwd=REPO, env=env)
+    maddrs = boot.wait_ready(READY_S)["maddrs"]
+    learners = []
+    for i in range(swarm.setting.learners):
+        own = swarm.workdir / f"learner{i}"
+        empty = i == swarm.setting.learners - 1
+        flags = [
+            "--eval-batches", str(swarm.setting.eval_batches), "--identity", str(own / "id.key"),
+            "--checkpoint-dir", str(own / ("empty" if empty else "ckpt")), "--data-rank", str(i),
+            "--initial-peers", *maddrs,
+        ]  # fmt: skip
+        args = [sys.executable, str(SKEWED_PEER), *child_join_args(*flags, sets=swarm.setting.sets())[2:]]
+        learners.append(Child.spawn(args, f"learner{i}b", cwd=REPO, env=env))
+    for child in learners:
+        child.wait_ready(JOIN_S)
+    return boot, learners
+
+
+def run_full_stop(setting: NetSetting, log: Callable[[str], None]) -> dict[str, Any]:
+    """Issue 42, item 5, as a benchmark: a clean window; then every peer and the bootstrap
+    node stop (SIGINT, each saves its checkpoint), and all come back with clocks two hours
+    on, past every record's life, the last learner with an empty directory; the second
+    window counts from the first round applied after the restart. `forks` spans both
+    lives; `rewinds`: rounds a restarted peer applied at or below the rounds its checkpoint
+    held (applied twice); `history`: whether the first round closed after the restart had
+    screening history (`history_from` >= 0)."""
+    with tempfile.TemporaryDirectory(prefix="bench-stop-") as tmp:
+        swarm = AttackedSwarm(setting, Path(tmp))
+        second: list[Child] = []
+        boot2 = None
+        try:
+            swarm.start()
+            clean_start = time.time()
+            time.sleep(setting.window_s)
+            clean_end = time.time()
+            swarm.stop()
+            first = swarm.learners
+            saved = [c.of("checkpoint_saved")[-1]["global_rounds"] if c.of("checkpoint_saved") else [] for c in first]
+            boot2, second = _second_life(swarm)
+            first_applied = second[0].wait_event(lambda e: e.get("event") == "applied", JOIN_S)
+            time.sleep(setting.window_s)
+            # the second life's events carry its clocks' time, LATER_S on
+            attack_start = first_applied["t"]
+            attack_end = attack_start + setting.window_s
+            rewound = [  # the last one came back with nothing: it has nothing to rewind
+                [child.name, e["fragment"], e["round"], rounds[e["fragment"]]]
+                for child, rounds in zip(second[:-1], saved[:-1], strict=True) if rounds
+                for e in child.of("applied") if e["round"] < rounds[e["fragment"]]
+            ]  # fmt: skip
+            rewinds = len(rewound)
+            closed = sorted(
+                (e["t"], e.get("history_from", -1)) for c in second for e in c.of("round_closed")
+            )  # fmt: skip
+            figures = {
+                "clean_rounds_per_min": rounds_per_min(first, clean_start, clean_end),
+                "attack_rounds_per_min": rounds_per_min(second, attack_start, attack_end),
+                "clean_lost": lost_deltas(first, clean_start, clean_end),
+                "attack_lost": lost_deltas(second, attack_start, attack_end),
+                "forks": forks([*first, *second]),
+                "rewinds": rewinds,
+                "rewound": rewound[:8],
+                "history": bool(closed) and closed[0][1] >= 0,
+                "restart_s": attack_start - LATER_S - clean_end,
+                "repairs": repairs(second, attack_start, attack_end),
+                "clean_repairs": repairs(first, clean_start, clean_end),
+                "eval": eval_by_round([*first, *second]),
+                "crashed": [c.name for c in second if not c.alive()],
+                "attacker": [],
+            }
+            log(
+                f"  {'full_stop':22s} rounds/min clean {figures['clean_rounds_per_min']:.1f} "
+                f"after the restart {figures['attack_rounds_per_min']:.1f} ({figures['restart_s']:.0f} s to the "
+                f"first round), forks {figures['forks']}, rewinds {rewinds}, history {figures['history']}"
+            )
+            return figures
+        finally:
+            for child in [*second, boot2]:
+                if child is not None and child.alive():
+                    child.request_stop()
+            for child in [*second, boot2]:
+                if child is not None and child.wait_exit(STOP_S) is None:
+                    child.kill()
+            swarm.stop()
+            reap_all()
+
+
 def attack_figures(attacked: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
     """The benchmark's per-attack figures from an attacked swarm and a clean reference swarm."""
     ratio = attacked["attack_rounds_per_min"] / max(attacked["clean_rounds_per_min"], 1e-9)
@@ -253,6 +349,7 @@ def attack_figures(attacked: dict[str, Any], reference: dict[str, Any]) -> dict[
         "honest_lost": max(attacked["attack_lost"] - attacked["clean_lost"], 0),
         "honest_lost_raw": attacked["attack_lost"],
         "forks": attacked["forks"],
+        **{k: attacked[k] for k in ("rewinds", "rewound", "history", "restart_s") if k in attacked},
         "on_attacker_states": attacked.get("on_attacker_states", 0),
         "repairs": {"clean": attacked["clean_repairs"], "attacked": attacked["repairs"]},
         "crashed": attacked["crashed"],

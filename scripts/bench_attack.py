@@ -301,6 +301,7 @@ NETWORK_ATTACKS: dict[str, str] = {
     "record_flood": "record_flood",
     "free_chain": "free_chain",
     "forged_state": "forged_state",
+    "full_stop": "",  # every peer stops, all come back two hours on (attack_swarm.run_full_stop)
 }
 """Attacks a stranger runs over the network against real peer processes (attack_swarm.py)."""
 QUICK_NETWORK = ("none", "sybil_heartbeats", "hijacked_rounds", "slow_bodies")
@@ -338,6 +339,10 @@ def network_attacks(names: list[str], quick: bool) -> tuple[dict, dict]:
     reference = attack_swarm.run_swarm(setting, None, print)
     attacks = {}
     for name in names:
+        if name == "full_stop":
+            attacked = attack_swarm.run_full_stop(setting, print)
+            attacks[name] = {**attack_swarm.attack_figures(attacked, reference), "where": "network (real processes)"}
+            continue
         attacked = attack_swarm.run_swarm(setting, NETWORK_ATTACKS[name] or None, print)
         attacks[name] = {**attack_swarm.attack_figures(attacked, reference), "where": "network (real processes)"}
     clean = {
