@@ -152,6 +152,15 @@ def lost_deltas(children: list[Child], start: float, end: float) -> int:
     return len(_events(children, "steps_lost", start, end))
 
 
+def lost_reasons(children: list[Child], start: float, end: float) -> dict[str, int]:
+    """Honest deltas reported lost in [start, end), by the reason's first word."""
+    reasons: dict[str, int] = {}
+    for e in _events(children, "steps_lost", start, end):
+        key = str(e.get("reason", "")).split(":")[0] or "unsaid"
+        reasons[key] = reasons.get(key, 0) + 1
+    return reasons
+
+
 def forks(children: list[Child]) -> int:
     """(fragment, round) pairs whose last applied hash differs between honest learners:
     replicas that stayed apart (a replica that applied a losing rival and repaired, as the
@@ -223,6 +232,7 @@ def run_swarm(setting: NetSetting, attacks: str | None, log: Callable[[str], Non
                 "attack_rounds_per_min": rounds_per_min(swarm.learners, attack_start, attack_end),
                 "clean_lost": lost_deltas(swarm.learners, clean_start, clean_end),
                 "attack_lost": lost_deltas(swarm.learners, attack_start, attack_end),
+                "lost_reasons": lost_reasons(swarm.learners, clean_start, attack_end),
                 "forks": forks(swarm.learners),
                 "on_attacker_states": on_attacker_states(swarm.learners, swarm.attacker),
                 "repairs": repairs(swarm.learners, attack_start, attack_end),
@@ -310,6 +320,7 @@ def run_full_stop(setting: NetSetting, log: Callable[[str], None]) -> dict[str, 
                 "attack_rounds_per_min": rounds_per_min(second, attack_start, attack_end),
                 "clean_lost": lost_deltas(first, clean_start, clean_end),
                 "attack_lost": lost_deltas(second, attack_start, attack_end),
+                "lost_reasons": lost_reasons(second, attack_start, attack_end),
                 "forks": forks([*first, *second]),
                 "rewinds": rewinds,
                 "rewound": rewound[:8],
@@ -349,7 +360,7 @@ def attack_figures(attacked: dict[str, Any], reference: dict[str, Any]) -> dict[
         "honest_lost": max(attacked["attack_lost"] - attacked["clean_lost"], 0),
         "honest_lost_raw": attacked["attack_lost"],
         "forks": attacked["forks"],
-        **{k: attacked[k] for k in ("rewinds", "rewound", "history", "restart_s") if k in attacked},
+        **{k: attacked[k] for k in ("rewinds", "rewound", "history", "restart_s", "lost_reasons") if k in attacked},
         "on_attacker_states": attacked.get("on_attacker_states", 0),
         "repairs": {"clean": attacked["clean_repairs"], "attacked": attacked["repairs"]},
         "crashed": attacked["crashed"],
