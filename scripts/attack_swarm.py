@@ -84,16 +84,8 @@ class AttackedSwarm:
         )
         maddrs = self.boot.wait_ready(READY_S)["maddrs"]
         for i in range(self.setting.learners):
-            own = self.workdir / f"learner{i}"
-            own.mkdir(parents=True, exist_ok=True)
-            flags = [
-                "--eval-batches", str(self.setting.eval_batches),
-                "--identity", str(own / "id.key"),
-                "--checkpoint-dir", str(own / "ckpt"),
-                "--data-rank", str(i),
-                "--wait-peers", str(self.setting.learners),
-                "--initial-peers", *maddrs,
-            ]  # fmt: skip
+            (self.workdir / f"learner{i}").mkdir(parents=True, exist_ok=True)
+            flags = self.learner_flags(i, maddrs, "ckpt", "--wait-peers", str(self.setting.learners))
             args = [sys.executable, *child_join_args(*flags, sets=self.setting.sets())]
             self.learners.append(Child.spawn(args, f"learner{i}", cwd=REPO, env=_env()))
         deadline = time.monotonic() + JOIN_S
@@ -101,6 +93,15 @@ class AttackedSwarm:
             child.wait_ready(max(deadline - time.monotonic(), 1.0))
         for child in self.learners:
             child.wait_event(lambda e: e.get("event") == "applied", max(deadline - time.monotonic(), 1.0))
+
+    def learner_flags(self, i: int, maddrs: list[str], checkpoints: str, *more: str) -> list[str]:
+        """`join` flags of learner `i`: its identity and its checkpoint folder `checkpoints`
+        in its own directory, its data shard, `more`, the bootstrap's addresses."""
+        own = self.workdir / f"learner{i}"
+        return [
+            "--eval-batches", str(self.setting.eval_batches), "--identity", str(own / "id.key"),
+            "--checkpoint-dir", str(own / checkpoints), "--data-rank", str(i), *more, "--initial-peers", *maddrs,
+        ]  # fmt: skip
 
     @property
     def maddrs(self) -> list[str]:
@@ -128,13 +129,19 @@ class AttackedSwarm:
         return time.time()
 
     def stop(self) -> None:
-        for child in [*self.learners, self.attacker, self.boot]:
-            if child is not None and child.alive():
-                child.request_stop()
-        deadline = time.monotonic() + STOP_S
-        for child in [*self.learners, self.attacker, self.boot]:
-            if child is not None and child.wait_exit(max(deadline - time.monotonic(), 0.1)) is None:
-                child.kill()
+        stop_children([*self.learners, self.attacker, self.boot])
+
+
+def stop_children(children: list[Child | None]) -> None:
+    """Ask every child to leave (SIGTERM: a learner saves its checkpoint), then kill those
+    still there after `STOP_S` in all."""
+    for child in children:
+        if child is not None and child.alive():
+            child.request_stop()
+    deadline = time.monotonic() + STOP_S
+    for child in children:
+        if child is not None and child.wait_exit(max(deadline - time.monotonic(), 0.1)) is None:
+            child.kill()
 
 
 def _events(children: list[Child], kind: str, start: float, end: float) -> list[Event]:
@@ -266,13 +273,7 @@ def _second_life(swarm: AttackedSwarm) -> tuple[Child, list[Child]]:
     maddrs = boot.wait_ready(READY_S)["maddrs"]
     learners = []
     for i in range(swarm.setting.learners):
-        own = swarm.workdir / f"learner{i}"
-        empty = i == swarm.setting.learners - 1
-        flags = [
-            "--eval-batches", str(swarm.setting.eval_batches), "--identity", str(own / "id.key"),
-            "--checkpoint-dir", str(own / ("empty" if empty else "ckpt")), "--data-rank", str(i),
-            "--initial-peers", *maddrs,
-        ]  # fmt: skip
+        flags = swarm.learner_flags(i, maddrs, "empty" if i == swarm.setting.learners - 1 else "ckpt")
         args = [sys.executable, str(SKEWED_PEER), *child_join_args(*flags, sets=swarm.setting.sets())[2:]]
         learners.append(Child.spawn(args, f"learner{i}b", cwd=REPO, env=env))
     for child in learners:
@@ -282,11 +283,11 @@ def _second_life(swarm: AttackedSwarm) -> tuple[Child, list[Child]]:
 
 def run_full_stop(setting: NetSetting, log: Callable[[str], None]) -> dict[str, Any]:
     """Issue 42, item 5, as a benchmark: a clean window; then every peer and the bootstrap
-    node stop (SIGINT, each saves its checkpoint), and all come back with clocks two hours
+    node stop (SIGTERM, each saves its checkpoint), and all come back with clocks two hours
     on, past every record's life, the last learner with an empty directory; the second
     window counts from the first round applied after the restart. `forks` spans both
-    lives; `rewinds`: rounds a restarted peer applied at or below the rounds its checkpoint
-    held (applied twice); `history`: whether the first round closed after the restart had
+    lives; `rewinds`: rounds a restarted peer applied below the rounds its checkpoint held
+    (applied twice); `history`: whether the first round closed after the restart had
     screening history (`history_from` >= 0)."""
     with tempfile.TemporaryDirectory(prefix="bench-stop-") as tmp:
         swarm = AttackedSwarm(setting, Path(tmp))
@@ -339,12 +340,7 @@ def run_full_stop(setting: NetSetting, log: Callable[[str], None]) -> dict[str, 
             )
             return figures
         finally:
-            for child in [*second, boot2]:
-                if child is not None and child.alive():
-                    child.request_stop()
-            for child in [*second, boot2]:
-                if child is not None and child.wait_exit(STOP_S) is None:
-                    child.kill()
+            stop_children([*second, boot2])
             swarm.stop()
             reap_all()
 

@@ -341,9 +341,8 @@ def network_attacks(names: list[str], quick: bool) -> tuple[dict, dict]:
     for name in names:
         if name == "full_stop":
             attacked = attack_swarm.run_full_stop(setting, print)
-            attacks[name] = {**attack_swarm.attack_figures(attacked, reference), "where": "network (real processes)"}
-            continue
-        attacked = attack_swarm.run_swarm(setting, NETWORK_ATTACKS[name] or None, print)
+        else:
+            attacked = attack_swarm.run_swarm(setting, NETWORK_ATTACKS[name] or None, print)
         attacks[name] = {**attack_swarm.attack_figures(attacked, reference), "where": "network (real processes)"}
     clean = {
         "setting": {**dataclasses.asdict(setting), "sets": setting.sets()},
