@@ -70,9 +70,6 @@ SHARED_MACHINE_CORES = 0.25
 """Above this many cores busy with other work, on average, during the real run, the
 machine was shared (a CI worker running other tests, a CPU hog): the simulator, which
 charges no time for the CPU, is not expected to follow the real round pace there."""
-REPLAY_STEPS = True
-"""The simulated learners replay the real learners' steps over time (`StepTrace`); False:
-each trains at its real mean step time throughout (`--mean-steps`)."""
 AGREEMENT_TOLERANCE = 0.10
 """The largest relative error of a simulated figure against real processes before the
 simulator's figures at N = 1,000 are not to be trusted (issue 29)."""
@@ -365,10 +362,12 @@ def decided_goodput(summaries: list[dict[str, Any]]) -> float:
 
 
 def agreement(
-    n: int, saved: dict[str, Any] | None = None, rounds: int = AGREEMENT_ROUNDS
+    n: int, saved: dict[str, Any] | None = None, rounds: int = AGREEMENT_ROUNDS, replay_steps: bool = True
 ) -> dict[str, Any]:
     """Real processes, then the simulator on their setting (`saved`: a previous run's
-    real summaries, to re-simulate without running the real swarm again)."""
+    real summaries, to re-simulate without running the real swarm again). `replay_steps`:
+    the simulated learners replay the real ones' steps over time (`StepTrace`); False:
+    each trains at its real mean step time throughout (`--mean-steps`)."""
     real = saved if saved else real_swarm(n, rounds)
     summaries = saved["real_peers"] if saved else real["summaries"]
     applied = real.get("applied") or [[] for _ in summaries]  # kept since stop 40
@@ -376,11 +375,11 @@ def agreement(
     # a learner's whole loop per step (training, shipping, applying): its real pace
     step_times = [s["loop_s"] / max(s["steps"], 1) for s in summaries]
     span = statistics.median(s["traffic_s"] for s in summaries)
-    traces = real_traces(summaries, real.get("steps") or [[] for _ in summaries])
+    traces = real_traces(summaries, real.get("steps") or [[] for _ in summaries]) if replay_steps else None
     config = sim_config(inner_steps=20)
     figures = simulate(
         n, span, config=config, population=LOOPBACK, warmup_s=0.0, step_times_s=step_times,
-        step_traces=traces if REPLAY_STEPS else None,
+        step_traces=traces,
     )
     simulated = {
         "protocol_bytes_per_s_per_peer": figures.protocol_bytes_per_s_per_peer["p50"],
@@ -403,7 +402,7 @@ def agreement(
         "other_cores": real.get("other_cores"),
         "applied": applied,
         "steps": real.get("steps"),
-        "replayed_steps": traces is not None and REPLAY_STEPS,
+        "replayed_steps": traces is not None,
         "real_peers": [{k: s.get(k) for k in kept} for s in summaries],
     }
 
@@ -458,8 +457,6 @@ def main() -> None:
         help="agreement: simulated learners train at the real ones' mean step time, not their trace",
     )
     args = parser.parse_args()
-    global REPLAY_STEPS
-    REPLAY_STEPS = not args.mean_steps
     CODECS.update({"codec": args.codec} if args.codec else {})
     CODECS.update({"outer_codec": args.outer_codec} if args.outer_codec else {})
     sizes = [int(x) for x in args.sizes.split(",") if x and x != "0"]
@@ -477,7 +474,7 @@ def main() -> None:
         result["agreement"] = {}
         saved = json.loads(args.real_from.read_text())["agreement"] if args.real_from else {}
         for n in (int(x) for x in args.agreement.split(",")):
-            entry = agreement(n, saved.get(str(n)))
+            entry = agreement(n, saved.get(str(n)), replay_steps=not args.mean_steps)
             result["agreement"][str(n)] = entry
             print(f"agreement N={n}: " + ", ".join(
                 f"{k} real {entry['real'][k]:.4g} sim {entry['simulated'][k]:.4g}" for k in entry["real"]

@@ -519,7 +519,7 @@ class Swarm:
         link_ = LearnerLink(transport, RUN, self.config.sync, replicas, members.view, limits)
         peer = SimPeer(transport, link, self.config, state, members, replicas, synchronizer, link_)
         if self.step_traces:
-            peer.trace = self.step_traces[(len(self.peers)) % len(self.step_traces)]
+            peer.trace = self.step_traces[len(self.peers) % len(self.step_traces)]
         holder["peer"] = peer
         replicas.on_settled.append(
             lambda f, r, record: self.applied[(f, r)].append(self.clock.elapsed_s)
@@ -596,15 +596,16 @@ class Swarm:
         fragments = peer.state.num_fragments
         period = self.config.sync.inner_steps * peer.link.step_s
         tokens = self.config.sync.inner_steps * self.tokens_per_step // fragments
+        steps = self.config.sync.inner_steps // fragments
         while True:
             for fragment in range(fragments):
                 if peer.trace is None:
                     await asyncio.sleep(period / fragments)
                 else:
-                    due = peer.trace.seconds_at(peer.steps_done + self.config.sync.inner_steps // fragments)
-                    await asyncio.sleep(max(0.0, peer.joined_at + due - self.clock.elapsed_s))
+                    due = peer.joined_at + peer.trace.seconds_at(peer.steps_done + steps)
+                    await asyncio.sleep(max(0.0, due - self.clock.elapsed_s))
                 peer.tokens_computed += tokens
-                peer.steps_done += self.config.sync.inner_steps // fragments
+                peer.steps_done += steps
                 carried = peer.pending_tokens.pop(fragment, 0) + tokens
                 round_id = peer.state.round_of(fragment)
                 frame = self._frame(peer, fragment, round_id, carried)
