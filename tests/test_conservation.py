@@ -53,7 +53,11 @@ def config_for(min_quorum: int, codec: str = "fp32") -> RunConfig:
     # Every entry of a toy delta is equal, so sparse2 picks by the residual alone and two
     # learners' supports are often disjoint: a cosine of exactly 0, which the direction
     # check refuses (real deltas overlap: test_screening). Work is what this test counts.
-    screening = {"min_loo_peers": 64} if codec != "fp32" else {}
+    # For the same reason the norm bound is lifted: each toy entry goes out every ~4 deltas
+    # carrying all its held-back steps, and a learner slowed by a loaded machine folds
+    # several deltas into one, so its norm reached 1.04x the refuse bound its claimed
+    # work allows (2 runs in 20 beside a CPU hog), a refusal the test then counted as lost.
+    screening = {"min_loo_peers": 64, "refuse_factor": 1000.0} if codec != "fp32" else {}
     return replace(
         RunConfig(),
         model={"seq_len": 32},

@@ -22,6 +22,7 @@ from test_commit import RUN, Cluster, Node
 from test_rerun_held import LIE_ROUND, contribute_all, honest_rounds, scenario, top_of
 
 from p2pdiloco.protocol.rounds import RoundRecord
+from p2pdiloco.roles.commit import Held
 from p2pdiloco.wire import messages
 from p2pdiloco.wire.messages import Outcome
 
@@ -37,8 +38,8 @@ def withholding(node: Node, serve_after_s: float | None = None) -> Callable[[], 
     served = dict(node.transport._handlers)
     since = time.monotonic()
 
-    async def fake_push(peer: str, update, timeout_s: float) -> str | None:
-        return peer  # "acked": a holder that does not hold it
+    async def fake_push(peer: str, update, timeout_s: float) -> Held | None:
+        return Held(peer)  # "acked" without a receipt: a holder that does not hold it
 
     def refusing(name: str):
         async def refuse(caller: str, request: bytes) -> bytes:

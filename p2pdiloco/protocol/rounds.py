@@ -40,7 +40,7 @@ from typing import Any
 import msgpack
 import zstandard
 
-from p2pdiloco.identity import Identity, SignedKind, is_peer_id
+from p2pdiloco.identity import SIGNATURE_BYTES, Identity, SignedKind, is_peer_id, verify
 from p2pdiloco.protocol.election import rendezvous_score
 from p2pdiloco.protocol.membership import two_numbers
 
@@ -112,6 +112,10 @@ class RoundRecord:
     """Digest of the update frame's bytes: what holders serve, byte for byte."""
     holders: tuple[str, ...] = ()
     """Peers besides the synchronizer that held the update before this record was written."""
+    receipts: tuple[bytes, ...] = ()
+    """The holders' signed receipts (`sign_receipt`), aligned with `holders` (there may be
+    fewer): a holder's word that it keeps this round's update, not the synchronizer's word
+    for it (`attested_records`)."""
     contributors: tuple[tuple[str, float, int], ...] = ()
     """(peer id, merge weight, tokens) of every merged delta, in merge order."""
     contributions: tuple[str, ...] = ()
@@ -180,6 +184,7 @@ class RoundRecord:
                 "certificates": list(self.certificates),
                 # only when set: records that supersede nothing keep their old bytes
                 **({"supersedes": self.supersedes} if self.supersedes else {}),
+                **({"receipts": list(self.receipts)} if self.receipts else {}),
             },
             use_bin_type=True,
         )
@@ -232,6 +237,14 @@ def _peers(value: Any) -> list:
     return list(value)
 
 
+def _receipts(value: Any, holders: int) -> tuple[bytes, ...]:
+    """At most one signature-sized blob per holder (more: not a record)."""
+    receipts = _peers(value)
+    if len(receipts) > holders or any(not isinstance(r, bytes) or len(r) != SIGNATURE_BYTES for r in receipts):
+        raise ValueError("not receipts of the holders")
+    return tuple(receipts)
+
+
 def decode_round_record(raw: bytes) -> RoundRecord | None:
     """A round record, or None when the bytes are not exactly one (untrusted: never raises).
 
@@ -251,6 +264,7 @@ def decode_round_record(raw: bytes) -> RoundRecord | None:
         )
         if not isinstance(data, dict):
             return None
+        holders = tuple(_str(p) for p in _peers(data.get("holders", [])))
         contributors = []
         for entry in _peers(data["contributors"]):
             peer, weight, tokens = _peers(entry)
@@ -262,7 +276,7 @@ def decode_round_record(raw: bytes) -> RoundRecord | None:
             hash=_str(data["hash"]),
             parent=_str(data.get("parent", "")),
             digest=_str(data.get("digest", "")),
-            holders=tuple(_str(p) for p in _peers(data.get("holders", []))),
+            holders=holders,
             contributors=tuple(contributors),
             contributions=tuple(_str(d, 64) for d in _peers(data.get("contributions", []))),
             norms=tuple(_number(n) for n in _peers(data.get("norms", []))),
@@ -272,6 +286,7 @@ def decode_round_record(raw: bytes) -> RoundRecord | None:
             closed_at=_number(data["closed_at"]),
             certificates=tuple(_blob(c) for c in _peers(data.get("certificates", []))[:4]),
             supersedes=_str(data.get("supersedes", ""), 64),
+            receipts=_receipts(data.get("receipts", []), len(holders)),
         )
     except Exception:  # noqa: BLE001 - untrusted bytes
         return None
@@ -398,12 +413,24 @@ def records_of(
     return out
 
 
-def rivalry_key(run: str, record: RoundRecord, standing: Mapping[tuple[int, str, str], int]) -> tuple:
+def rivalry_key(
+    run: str,
+    record: RoundRecord,
+    standing: Mapping[tuple[int, str, str], int],
+    attested: frozenset[tuple[int, str, str]] = frozenset(),
+) -> tuple:
     """Sort key among a round's rivals with one parent (the lowest wins): a record read as
     committed before one resumed after its lifetime (a live chain outranks a restored
     history: peers that came back from a full stop and went on are not rewound by one
-    that came back later with an older branch), then standing, then rank."""
-    return (record.resumed_at > 0, standing.get(standing_key(record), PROVEN), rank(run, record))
+    that came back later with an older branch), then standing, then a record whose update
+    an independent peer signed that it holds before one only its signer vouches for
+    (`attested_records`), then rank."""
+    return (
+        record.resumed_at > 0,
+        standing.get(standing_key(record), PROVEN),
+        standing_key(record) not in attested,
+        rank(run, record),
+    )
 
 
 def rank(run: str, record: RoundRecord) -> tuple[int, str]:
@@ -514,6 +541,75 @@ def record_standing(
             continue
         index.setdefault((record.round, record.hash), []).append(record)
     return standing
+
+
+RECEIPTS = "held"
+"""Domain of a holder's receipt (`sign_receipt`), per run."""
+
+
+def _receipt_payload(round_id: int, fragment: int, digest: str) -> bytes:
+    return msgpack.packb([round_id, fragment, digest], use_bin_type=True)
+
+
+def sign_receipt(identity: Identity, run: str, round_id: int, fragment: int, digest: str) -> bytes:
+    """`identity`'s signed word that it holds the update frame `digest` of (round,
+    fragment) of `run`: what a holder answers `hold_update` with, and what the record that
+    commits the round carries for it (`RoundRecord.receipts`)."""
+    return identity.sign(f"{RECEIPTS}/{run}", _receipt_payload(round_id, fragment, digest))
+
+
+@functools.lru_cache(maxsize=OPENED_RECORDS)
+def receipt_valid(run: str, holder: str, round_id: int, fragment: int, digest: str, receipt: bytes) -> bool:
+    """Whether `receipt` is `holder`'s receipt for that update (remembered: every pass of
+    every replica asks it of the same records)."""
+    return verify(holder, f"{RECEIPTS}/{run}", _receipt_payload(round_id, fragment, digest), receipt)
+
+
+def receipted_holders(run: str, record: RoundRecord) -> frozenset[str]:
+    """The holders of `record` other than its synchronizer whose receipt for its update
+    is valid (the others are the synchronizer's word alone)."""
+    return frozenset(
+        holder
+        for holder, receipt in zip(record.holders, record.receipts, strict=False)
+        if holder != record.synchronizer
+        and receipt_valid(run, holder, record.round, record.fragment, record.digest, receipt)
+    )
+
+
+def attested_records(run: str, records: Iterable[RoundRecord]) -> frozenset[tuple[int, str, str]]:
+    """`standing_key`s of the records whose update is attested (pure, the same on every
+    peer): a holder other than the synchronizer signed a receipt for it, and that holder
+    is named (as synchronizer or contributor) by a record of the ancestry that another
+    synchronizer signed (`PROVEN_LOOKBACK` rounds back).
+
+    Why: a record names its holders on its synchronizer's word, so a key the chain named
+    once could sign a record for the open round, naming an update that exists nowhere,
+    and every replica would wait on it until the round was re-run (`superseded_digests`,
+    a round deadline later). An attested rival outranks it, and a synchronizer holding
+    receipts does not yield to it (`Committer.committed_elsewhere`). "Another synchronizer":
+    the signer could name free keys as contributors in records of its own (copying an
+    honest hash) and have them sign receipts; names only its own records give count for
+    nothing on its records. Records with no known parent are not attested (nothing names
+    anyone there). Two keys the chain named, colluding, can attest each other's records:
+    docs/security.md."""
+    records = list(records)
+    index: dict[tuple[int, str], list[RoundRecord]] = {}
+    for record in records:
+        index.setdefault((record.round, record.hash), []).append(record)
+    out: set[tuple[int, str, str]] = set()
+    for record in records:
+        receipted = receipted_holders(run, record) if record.receipts else frozenset()
+        if not receipted:
+            continue
+        frontier = index.get((record.round - 1, record.parent), [])
+        for _ in range(PROVEN_LOOKBACK):
+            if not frontier:
+                break
+            if any(r.synchronizer != record.synchronizer and r.named & receipted for r in frontier):
+                out.add(standing_key(record))
+                break
+            frontier = [a for r in frontier for a in index.get((r.round - 1, r.parent), [])][:8]
+    return frozenset(out)
 
 
 def counted_records(
@@ -654,6 +750,7 @@ def canonical_chain(
         return _through_final(run, records, genesis_hash, void, final, anchor, supersede_after_s, open_run)
     skipped = void | superseded_digests(records, supersede_after_s)
     standing = record_standing(records, 2 * supersede_after_s) if open_run else {}
+    attested = attested_records(run, records)
     by_round: dict[int, list[RoundRecord]] = {}
     for record in records:
         if record.digest not in skipped and standing.get(standing_key(record)) != UNPROVEN:
@@ -663,7 +760,7 @@ def canonical_chain(
 
     def best(round_id: int, parent: str | None) -> RoundRecord | None:
         rivals = [r for r in by_round.get(round_id, ()) if parent is None or r.parent == parent]
-        return min(rivals, key=lambda r: rivalry_key(run, r, standing)) if rivals else None
+        return min(rivals, key=lambda r: rivalry_key(run, r, standing, attested)) if rivals else None
 
     # the head reached from (round, parent) and whether the way passes the anchor, computed
     # once per pair from the top down: choosing among many starts costs one pass, not a

@@ -34,12 +34,15 @@ from p2pdiloco.protocol.merge import RoundMerge, history_of, max_tokens_per_step
 from p2pdiloco.protocol.rounds import (
     ROUND_RECORD_TTL_S,
     RoundRecord,
+    attested_records,
     counted_records,
+    receipt_valid,
     record_subkey,
     records_of,
     rounds_key,
     signed_record,
     skipped_on_chain,
+    standing_key,
 )
 from p2pdiloco.protocol.windows import RunningMean
 from p2pdiloco.roles.replica import ReplicaSync
@@ -79,6 +82,15 @@ NOT_PROVEN = "no record of this chain names this synchronizer"
 """`publish`: an open run's failover window at a peer the chain never named: its record
 would be UNPROVEN, skipped by every other peer (`rounds.skipped_on_chain`); not committed
 (learners: no quorum)."""
+
+
+@dataclass(frozen=True)
+class Held:
+    """A peer that took the update to hold (step 2), and its signed receipt for it
+    (`rounds.sign_receipt`; b"" where it sent none that verifies)."""
+
+    peer: str
+    receipt: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -225,9 +237,10 @@ class Committer:
 
     # --- 2. hold ----------------------------------------------------------------------------
 
-    async def hold(self, update: Update) -> list[str] | None:
+    async def hold(self, update: Update) -> list[Held] | None:
         """Step 2: push the update to live learners until `commit_holders` keep it (or the
-        targets run out, or a short grace after the first ack); None if nobody does.
+        targets run out, or a short grace after the first ack); who holds it, with each
+        holder's receipt (b"" where it sent none), or None if nobody does.
 
         Contributors first (they need it anyway), then the other live learners, each group
         in `holder_order` (reachable peers only, by rendezvous hash). Only as
@@ -245,7 +258,7 @@ class Committer:
         if need == 0:
             return []
         timeout_s = transfer_timeout_s(HOLD_TIMEOUT_S, len(update.frame))
-        holders: list[str] = []
+        holders: list[Held] = []
         queue = list(targets)  # not tried yet: a failed push is not repeated
         running: set[asyncio.Future] = set()
         deadline = time.monotonic() + 2 * timeout_s  # one failed wave, then its replacement
@@ -255,7 +268,7 @@ class Committer:
             done, running = await asyncio.wait(
                 running, timeout=deadline - time.monotonic(), return_when=asyncio.FIRST_COMPLETED
             )
-            acked = [peer for peer in (task.result() for task in done) if peer is not None]
+            acked = [held for held in (task.result() for task in done) if held is not None]
             if acked and not holders:  # one copy is safe: the others get a short grace only
                 deadline = min(deadline, time.monotonic() + max(MORE_HOLDERS_GRACE_S, timeout_s / 4))
             holders += acked
@@ -269,8 +282,9 @@ class Committer:
             task.add_done_callback(self.tasks.discard)
         return list(holders)
 
-    async def _push(self, peer: str, update: Update, timeout_s: float) -> str | None:
-        """Hand the update to `peer` to hold; its id once it acked the digest, else None."""
+    async def _push(self, peer: str, update: Update, timeout_s: float) -> Held | None:
+        """Hand the update to `peer` to hold; its id and receipt (b"" when it sent no valid
+        one) once it acked the digest, else None."""
         try:
             raw = await self.transport.call(
                 peer, f"{self.run}.{messages.RPC_HOLD_UPDATE}", update.frame,
@@ -285,7 +299,11 @@ class Committer:
             and reply.meta.get("status") == messages.HELD
             and reply.meta.get("digest") == update.digest
         ):
-            return peer
+            receipt = reply.meta.get("receipt", b"")
+            valid = isinstance(receipt, bytes) and receipt_valid(
+                self.run, peer, update.round, update.fragment, update.digest, receipt
+            )
+            return Held(peer, receipt if valid else b"")
         return None
 
     async def _push_rest(self, peers: list[str], update: Update, timeout_s: float) -> None:
@@ -300,10 +318,12 @@ class Committer:
 
     # --- 3. publish -------------------------------------------------------------------------
 
-    def record_of(self, window: Window, merged: Merged, holders: list[str], grace_s: float) -> RoundRecord:
-        """The signed round record that commits `merged` (not stored yet)."""
+    def record_of(self, window: Window, merged: Merged, held: list[Held], grace_s: float) -> RoundRecord:
+        """The signed round record that commits `merged` (not stored yet): its holders with
+        a receipt first, so the receipts line up with them."""
         update, screening = merged.update, merged.result.screening
         assert update is not None, "a record names an update"
+        held = sorted(held, key=lambda h: not h.receipt)
         record = RoundRecord(
             round=window.round,
             fragment=window.fragment,
@@ -311,7 +331,8 @@ class Committer:
             hash=update.hash,
             parent=update.parent,
             digest=update.digest,
-            holders=tuple(holders),
+            holders=tuple(h.peer for h in held),
+            receipts=tuple(h.receipt for h in held if h.receipt),
             contributors=update.contributors,
             contributions=tuple(contribution_digest(window.sealed[v.peer]) for v in screening.kept),
             norms=tuple(v.history_norm for v in screening.kept),
@@ -325,18 +346,30 @@ class Committer:
         )
         return signed_record(self.transport.identity, self.run, record)
 
-    async def committed_elsewhere(self, round_id: int, fragment: int) -> bool:
-        """True when some synchronizer already committed (round, fragment) (failover race)."""
+    async def committed_elsewhere(self, round_id: int, fragment: int, ours: RoundRecord | None = None) -> bool:
+        """True when another synchronizer already committed (round, fragment) in a way
+        this one yields to (a failover race): a counted record of the round on the same
+        parent, unless that record's update is not attested (`rounds.attested_records`)
+        while ours is, or, before ours exists (`ours` None: a window about to open), may
+        be. A rival only its signer vouches for loses to an attested record on every
+        peer, so yielding to it would only leave the round to a record nobody may serve."""
         if not self.rivals_visible(round_id):
             return False
         raw = await self.transport.get(rounds_key(self.run, fragment, round_id, self.replicas.epoch_rounds))
         parent = self.replicas.parent_hash(fragment, round_id)
         rerun_of = self.replicas.supersedable(fragment, round_id)  # this peer re-runs it
-        records = records_of(self.run, raw, fragment, self.replicas.entitlement.entitled).values()
-        return any(
-            r.round == round_id and r.parent == parent and r.digest != rerun_of
-            for r in counted_records(records, self.replicas.open_run, self.replicas.void_after_s)
-        )
+        records = list(records_of(self.run, raw, fragment, self.replicas.entitlement.entitled).values())
+        rivals = [
+            r for r in counted_records(records, self.replicas.open_run, self.replicas.void_after_s)
+            if r.round == round_id and r.parent == parent and r.digest != rerun_of
+        ]  # fmt: skip
+        if not rivals:
+            return False
+        chain = list(self.replicas.chains[fragment].values())
+        attested = attested_records(self.run, [*chain, *records, *([ours] if ours is not None else [])])
+        if ours is not None and standing_key(ours) not in attested:
+            return True
+        return any(standing_key(r) in attested for r in rivals)
 
     def unproven(self, round_id: int, fragment: int, closes_by: float) -> bool:
         """Whether a record of ours for (round, fragment), closed as late as `closes_by`
@@ -362,7 +395,7 @@ class Committer:
     async def publish(self, window: Window, merged: Merged, record: RoundRecord) -> str:
         """Step 3, the commit point: "" once the record is stored, else why not
         (`COMMITTED_ELSEWHERE`, `NOT_PROVEN` or `NOT_STORED`)."""
-        if await self.committed_elsewhere(window.round, window.fragment):
+        if await self.committed_elsewhere(window.round, window.fragment, record):
             return COMMITTED_ELSEWHERE
         if self._skipped(record):
             return NOT_PROVEN

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from p2pdiloco import wire
 from p2pdiloco.outer.fragment import FragmentState
 from p2pdiloco.protocol.election import synchronizer_order
+from p2pdiloco.protocol.rounds import sign_receipt
 from p2pdiloco.roles import peer_records
 from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.transport.base import Transport
@@ -203,7 +204,8 @@ class UpdateServer:
             log.warning("refused update to hold peer=%s reason=%r", caller[-8:], reason)
             return self._reply(update.round, update.fragment, messages.REJECTED, reason=reason)
         self.store.hold(update, caller)
-        return self._reply(update.round, update.fragment, messages.HELD, digest=update.digest)
+        receipt = sign_receipt(self.transport.identity, self.run, update.round, update.fragment, update.digest)
+        return self._reply(update.round, update.fragment, messages.HELD, digest=update.digest, receipt=receipt)
 
     async def rpc_get_records(self, caller: str, request: bytes) -> bytes:
         """The round records this peer holds of a fragment from a round on
