@@ -168,6 +168,24 @@ def lost_reasons(children: list[Child], start: float, end: float) -> dict[str, i
     return reasons
 
 
+def round_phases(children: list[Child], start: float, end: float) -> dict[str, float | None]:
+    """Where a round's time went in [start, end): the median commit (a synchronizer's
+    merge, hold and publish: `round_closed`'s `sync_s`) and the median lag from a round's
+    commit to each replica applying it (its synchronizer's own at about 0 included). Which of the two an attack stretches says
+    what it costs: the synchronizers' commits, or the replicas' following."""
+    closed = {(e["fragment"], e["round"]): e for e in _events(children, "round_closed", start, end)}
+    commits = [float(e.get("sync_s", 0.0)) for e in closed.values()]
+    lags = [
+        e["t"] - closed[(e["fragment"], e["round"])]["t"]
+        for e in _events(children, "applied", start, end + 120.0)
+        if (e.get("fragment"), e.get("round")) in closed
+    ]  # fmt: skip
+    return {
+        "commit_s": statistics.median(commits) if commits else None,
+        "apply_lag_s": statistics.median(lags) if lags else None,
+    }
+
+
 def forks(children: list[Child]) -> int:
     """(fragment, round) pairs whose last applied hash differs between honest learners:
     replicas that stayed apart (a replica that applied a losing rival and repaired, as the
@@ -232,8 +250,8 @@ def run_swarm(setting: NetSetting, attacks: str | None, log: Callable[[str], Non
                 attack_start = swarm.launch_attacker(attacks, READY_S)
             time.sleep(setting.window_s)
             attack_end = time.time()
-            if swarm.attacker is not None:
-                result = [e for e in swarm.attacker.events if "attack" in e or "result" in e]
+            if swarm.attacker is not None:  # what it reported by the window's end, results last
+                result = swarm.attacker.events
             figures = {
                 "clean_rounds_per_min": rounds_per_min(swarm.learners, clean_start, clean_end),
                 "attack_rounds_per_min": rounds_per_min(swarm.learners, attack_start, attack_end),
@@ -244,6 +262,10 @@ def run_swarm(setting: NetSetting, attacks: str | None, log: Callable[[str], Non
                 "on_attacker_states": on_attacker_states(swarm.learners, swarm.attacker),
                 "repairs": repairs(swarm.learners, attack_start, attack_end),
                 "clean_repairs": repairs(swarm.learners, clean_start, clean_end),
+                "phases": {
+                    "clean": round_phases(swarm.learners, clean_start, clean_end),
+                    "attacked": round_phases(swarm.learners, attack_start, attack_end),
+                },
                 "eval": eval_by_round(swarm.learners),
                 "crashed": [c.name for c in swarm.learners if not c.alive()],
                 "attacker": result[-8:],
@@ -361,5 +383,6 @@ def attack_figures(attacked: dict[str, Any], reference: dict[str, Any]) -> dict[
         "repairs": {"clean": attacked["clean_repairs"], "attacked": attacked["repairs"]},
         "crashed": attacked["crashed"],
         "rounds_per_min": {"clean": attacked["clean_rounds_per_min"], "attacked": attacked["attack_rounds_per_min"]},
+        "phases": attacked.get("phases"),
         "attacker": attacked["attacker"],
     }
