@@ -26,6 +26,7 @@ A window counts from the attacker's `ready` line, so its start-up is not charged
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -39,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from p2pdiloco.cli.argv import TINY_RUN, child_join_args  # noqa: E402
-from p2pdiloco.cli.launcher import Child, reap_all  # noqa: E402
+from p2pdiloco.cli.launcher import Child, machine_busy_s, reap_all, tree_cpu_s  # noqa: E402
 
 ADVERSARY = REPO / "tests" / "net" / "adversary.py"
 READY_S = 240.0
@@ -160,10 +161,11 @@ def lost_deltas(children: list[Child], start: float, end: float) -> int:
 
 
 def lost_reasons(children: list[Child], start: float, end: float) -> dict[str, int]:
-    """Honest deltas reported lost in [start, end), by the reason's first word."""
+    """Honest deltas reported lost in [start, end), by reason (its numbers written #, so
+    "delta norm 167.7 is above 161" and "delta norm 90.2 is above 88" count as one)."""
     reasons: dict[str, int] = {}
     for e in _events(children, "steps_lost", start, end):
-        key = str(e.get("reason", "")).split(":")[0] or "unsaid"
+        key = re.sub(r"\d+(\.\d+)?", "#", str(e.get("reason", "")))[:120] or "unsaid"
         reasons[key] = reasons.get(key, 0) + 1
     return reasons
 
@@ -172,7 +174,8 @@ def round_phases(children: list[Child], start: float, end: float) -> dict[str, f
     """Where a round's time went in [start, end): the median commit (a synchronizer's
     merge, hold and publish: `round_closed`'s `sync_s`) and the median lag from a round's
     commit to each replica applying it (its synchronizer's own at about 0 included). Which of the two an attack stretches says
-    what it costs: the synchronizers' commits, or the replicas' following."""
+    what it costs: the synchronizers' commits, or the replicas' following; the learners'
+    inner steps a minute, all together, say whether it took their CPU instead."""
     closed = {(e["fragment"], e["round"]): e for e in _events(children, "round_closed", start, end)}
     commits = [float(e.get("sync_s", 0.0)) for e in closed.values()]
     lags = [
@@ -180,9 +183,14 @@ def round_phases(children: list[Child], start: float, end: float) -> dict[str, f
         for e in _events(children, "applied", start, end + 120.0)
         if (e.get("fragment"), e.get("round")) in closed
     ]  # fmt: skip
+    steps = 0
+    for child in children:  # `step` events come every 10 steps, with the learner's count
+        counts = [e["step"] for e in child.of("step") if start <= e.get("t", 0.0) < end]
+        steps += max(counts) - min(counts) if counts else 0
     return {
         "commit_s": statistics.median(commits) if commits else None,
         "apply_lag_s": statistics.median(lags) if lags else None,
+        "steps_per_min": steps * 60.0 / max(end - start, 1e-9),
     }
 
 
@@ -235,21 +243,41 @@ def loss_at_common_round(attacked: dict[int, float], clean: dict[int, float]) ->
     return (common[-1], attacked[common[-1]], clean[common[-1]]) if common else None
 
 
+def cpu_split(swarm: AttackedSwarm) -> dict[str, float]:
+    """CPU seconds so far: the learners' processes (with their DHT processes and p2pd
+    daemons), the attacker's, and the whole machine's."""
+    return {
+        "learners": sum(tree_cpu_s(c.pid) for c in swarm.learners),
+        "attacker": tree_cpu_s(swarm.attacker.pid) if swarm.attacker is not None else 0.0,
+        "machine": machine_busy_s(),
+    }
+
+
+def cores_busy(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
+    """Cores kept busy between two `cpu_split`s, by whom (`other`: the bootstrap node and
+    everything else on the machine). On one machine an attacker's own CPU is the victims'
+    loss too; on the internet it is not, so an attack's cost is read against this."""
+    busy = {k: (after[k] - before[k]) / max(seconds, 1e-9) for k in before}
+    busy["other"] = busy.pop("machine") - busy["learners"] - busy["attacker"]
+    return busy
+
+
 def run_swarm(setting: NetSetting, attacks: str | None, log: Callable[[str], None]) -> dict[str, Any]:
     """One swarm: a clean window, then (with `attacks`) an attacked window of the same length."""
     with tempfile.TemporaryDirectory(prefix="bench-attack-") as tmp:
         swarm = AttackedSwarm(setting, Path(tmp))
         try:
             swarm.start()
-            clean_start = time.time()
+            clean_start, clean_cpu = time.time(), cpu_split(swarm)
             time.sleep(setting.window_s)
-            clean_end = time.time()
+            clean_end, attack_cpu = time.time(), cpu_split(swarm)
             attack_start = clean_end
             result: list[Event] = []
             if attacks:
                 attack_start = swarm.launch_attacker(attacks, READY_S)
+                attack_cpu = cpu_split(swarm)  # the attacker's start-up is not its attack
             time.sleep(setting.window_s)
-            attack_end = time.time()
+            attack_end, end_cpu = time.time(), cpu_split(swarm)
             if swarm.attacker is not None:  # what it reported by the window's end, results last
                 result = swarm.attacker.events
             figures = {
@@ -262,6 +290,10 @@ def run_swarm(setting: NetSetting, attacks: str | None, log: Callable[[str], Non
                 "on_attacker_states": on_attacker_states(swarm.learners, swarm.attacker),
                 "repairs": repairs(swarm.learners, attack_start, attack_end),
                 "clean_repairs": repairs(swarm.learners, clean_start, clean_end),
+                "cores_busy": {
+                    "clean": cores_busy(clean_cpu, attack_cpu, clean_end - clean_start),
+                    "attacked": cores_busy(attack_cpu, end_cpu, attack_end - attack_start),
+                },
                 "phases": {
                     "clean": round_phases(swarm.learners, clean_start, clean_end),
                     "attacked": round_phases(swarm.learners, attack_start, attack_end),
@@ -384,5 +416,6 @@ def attack_figures(attacked: dict[str, Any], reference: dict[str, Any]) -> dict[
         "crashed": attacked["crashed"],
         "rounds_per_min": {"clean": attacked["clean_rounds_per_min"], "attacked": attacked["attack_rounds_per_min"]},
         "phases": attacked.get("phases"),
+        "cores_busy": attacked.get("cores_busy"),
         "attacker": attacked["attacker"],
     }

@@ -30,7 +30,6 @@ summary carries its counters, the simulated peers' transports count the same way
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -43,6 +42,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from p2pdiloco.cli.launcher import machine_busy_s, tree_cpu_s  # noqa: E402
 from p2pdiloco.config import RunConfig, replace  # noqa: E402
 from p2pdiloco.protocol.membership import settle_s  # noqa: E402
 from p2pdiloco.sim.links import LOOPBACK, Population, StepTrace  # noqa: E402
@@ -278,30 +278,6 @@ def real_swarm(n: int, rounds: int) -> dict[str, Any]:
         "summaries": summaries, "closes": len(closes), "other_cores": max(others, 0.0),
         "applied": applied, "steps": steps,
     }  # fmt: skip
-
-
-def machine_busy_s() -> float:
-    """CPU seconds this machine's cores have spent busy since boot (all processes)."""
-    import psutil
-
-    times = psutil.cpu_times()
-    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
-
-
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds used by process `pid` and its live descendants (0 for those gone)."""
-    import psutil
-
-    total = 0.0
-    try:
-        root = psutil.Process(pid)
-        for process in [root, *root.children(recursive=True)]:
-            with contextlib.suppress(psutil.Error):
-                cpu = process.cpu_times()
-                total += cpu.user + cpu.system
-    except psutil.Error:
-        pass
-    return total
 
 
 def real_applied(summaries: list[dict[str, Any]], applied: list[list[list[float]]]) -> dict:

@@ -20,6 +20,7 @@ handles the signal and leaves with its own exit code, so a -15 means a real faul
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -30,6 +31,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Self
+
+import psutil
 
 __all__ = ["STOPPED", "Child", "ChildFailedToStart", "live_children", "reap_all", "wait_all_ready"]
 
@@ -337,3 +340,23 @@ def reap_all() -> None:
     """Reap every child spawned and not reaped yet (fixtures and atexit)."""
     for child in reversed(live_children()):
         child.reap()
+
+
+def machine_busy_s() -> float:
+    """CPU seconds this machine's cores have spent busy since boot (all processes)."""
+    times = psutil.cpu_times()
+    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds used by process `pid` and its live descendants (0 for those gone)."""
+    total = 0.0
+    try:
+        root = psutil.Process(pid)
+        for process in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                cpu = process.cpu_times()
+                total += cpu.user + cpu.system
+    except psutil.Error:
+        pass
+    return total

@@ -214,17 +214,24 @@ class JoinedPeer:
         self._tasks.append(asyncio.create_task(self.members.beat_forever(self._start_replica_sync)))
 
     def _start_replica_sync(self) -> None:
-        """After a beat: bring every fragment to the head of its chain, beside the beats
-        (one pass at a time, never delaying the next beat)."""
-        if not any(t.get_name() == "replica-sync" and not t.done() for t in self._tasks):
-            self._tasks = [t for t in self._tasks if not t.done()]
-            self._tasks.append(asyncio.create_task(self._sync_all(), name="replica-sync"))
+        """After a beat: bring every fragment to the head of its chain, and check the run's
+        fraud notices, each beside the beats and beside each other (one of each at a time,
+        never delaying the next beat). A notice's verification may download a fragment
+        from its notifier, a stranger that may answer slowly or not at all: inside the
+        sync pass it held every round's apply for up to `SYNC_TIMEOUT_S`
+        (`bench_attack` `notice_flood`)."""
+        for name, job in (("replica-sync", self._sync_all), ("notice-check", self._check_notices)):
+            if not any(t.get_name() == name and not t.done() for t in self._tasks):
+                self._tasks = [t for t in self._tasks if not t.done()]
+                self._tasks.append(asyncio.create_task(job(), name=name))
 
-    async def _sync_all(self) -> None:
+    async def _check_notices(self) -> None:
         try:
             await asyncio.wait_for(self.replicas.check_notices(), SYNC_TIMEOUT_S)
         except (TimeoutError, TransportError) as exc:
             log.warning("fraud notice check failed error=%r", exc)
+
+    async def _sync_all(self) -> None:
         for fragment in range(self.state.num_fragments):
             try:
                 await asyncio.wait_for(self.replicas.sync_fragment(fragment), SYNC_TIMEOUT_S)
