@@ -122,7 +122,12 @@ def test_a_live_synchronizer_that_withholds_its_update_frame_does_not_halt_the_r
         assert len(listed & {n.peer_id for n in honest}) >= 2, rerun.contributors
         for node, outcomes in zip(honest, books, strict=True):
             final = outcomes[-1]
-            if final.status == messages.MERGED:
+            if final.status == messages.MERGED and final.synchronizer == withholder.peer_id:
+                # the re-run landed while this learner still waited on the withheld record
+                # (its own fold not due yet): the take-over finds its delta in no canonical
+                # record, so its work stays local, for round 5
+                assert node.peer_id not in listed, outcomes
+            elif final.status == messages.MERGED:
                 assert final.synchronizer == rerun.synchronizer and node.peer_id in listed, outcomes
             else:
                 assert node.peer_id not in listed, outcomes  # its work stays local, for round 5
