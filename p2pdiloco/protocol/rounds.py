@@ -598,17 +598,12 @@ def attested_records(run: str, records: Iterable[RoundRecord]) -> frozenset[tupl
         index.setdefault((record.round, record.hash), []).append(record)
     out: set[tuple[int, str, str]] = set()
     for record in records:
-        receipted = receipted_holders(run, record) if record.receipts else frozenset()
-        if not receipted:
-            continue
-        frontier = index.get((record.round - 1, record.parent), [])
-        for _ in range(PROVEN_LOOKBACK):
-            if not frontier:
-                break
-            if any(r.synchronizer != record.synchronizer and r.named & receipted for r in frontier):
-                out.add(standing_key(record))
-                break
-            frontier = [a for r in frontier for a in index.get((r.round - 1, r.parent), [])][:8]
+        receipted = receipted_holders(run, record)
+        if receipted and _ancestry_has(
+            index.get((record.round - 1, record.parent), []), index,
+            lambda r, signer=record.synchronizer, held=receipted: r.synchronizer != signer and bool(r.named & held),
+        ):  # fmt: skip
+            out.add(standing_key(record))
     return frozenset(out)
 
 
@@ -639,11 +634,19 @@ def skipped_on_chain(
 def _named_in_ancestry(
     peer: str, parents: list[RoundRecord], index: dict[tuple[int, str], list[RoundRecord]]
 ) -> bool:
+    return _ancestry_has(parents, index, lambda r: peer in r.named)
+
+
+def _ancestry_has(
+    parents: list[RoundRecord], index: dict[tuple[int, str], list[RoundRecord]], match: Callable[[RoundRecord], bool]
+) -> bool:
+    """Whether a record of the ancestry from `parents` (`PROVEN_LOOKBACK` rounds back, at
+    most 8 records a round) is one `match` accepts."""
     frontier = parents
     for _ in range(PROVEN_LOOKBACK):
         if not frontier:
             return False
-        if any(peer in r.named for r in frontier):
+        if any(match(r) for r in frontier):
             return True
         frontier = [a for r in frontier for a in index.get((r.round - 1, r.parent), [])][:8]
     return False
