@@ -378,13 +378,15 @@ class Adversary:
             )
         return {"stored": stored, "config_hash": config_hash[:12]}
 
-    async def hijacked_rounds(self, duration_s: float = 60.0, fragments: int = 4) -> dict:
+    async def hijacked_rounds(self, duration_s: float | None = None, fragments: int = 4) -> dict:
         """"Measured on main" (issue 28): for each new head of each fragment's chain, a
         record for the next round, signed by a fresh key ground to out-rank every victim
         for that round, with the right parent and an update that exists nowhere. Before
         open runs required a record's ancestry to name its synchronizer, every peer
-        followed it and waited for the update: no round closed."""
+        followed it and waited for the update: no round closed. Lasts `duration_s`
+        (default $HIJACK_S or 60)."""
         loop = asyncio.get_running_loop()
+        duration_s = float(os.environ.get("HIJACK_S", "60")) if duration_s is None else duration_s
         deadline = loop.time() + duration_s
         signed: set[tuple[int, int]] = set()
         while loop.time() < deadline:
@@ -423,13 +425,17 @@ class Adversary:
         its key out-ranks the committed synchronizer in, a rival with the right parent, a
         current close time and a state that exists nowhere. By rank alone every replica
         dropped the rounds after it; a round three deep is final on every replica now.
-        Lasts `duration_s` (default $FLOOD_S or 20)."""
+        Lasts `duration_s` (default $FLOOD_S or 20), and on, up to three times as long again,
+        until it has signed one: a random key out-ranks the best of three synchronizers in
+        about one round in four, and a slow machine closes few rounds in 20 s (CI once
+        waited through 20 s and a rerun without a single round its key out-ranked)."""
         me = load_identity(os.environ["LATE_RIVAL_KEY"])
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + (float(os.environ.get("FLOOD_S", "20")) if duration_s is None else duration_s)
+        lasts = float(os.environ.get("FLOOD_S", "20")) if duration_s is None else duration_s
+        deadline, cap = loop.time() + lasts, loop.time() + 4 * lasts
         signed: set[tuple[int, int]] = set()
         heads, refused, skipped = {}, 0, {"unfit": 0, "out_ranked": 0}
-        while loop.time() < deadline:
+        while loop.time() < deadline or (not signed and loop.time() < cap):
             for fragment in range(fragments):
                 raw = await self.transport.get(rounds_key(self.run, fragment))
                 committed: dict[int, list[RoundRecord]] = {}

@@ -25,7 +25,11 @@ ADVERSARY = Path(__file__).resolve().parent / "adversary.py"
 """A stranger's program (valid free keys, a stock DHT client): tests/net/adversary.py."""
 
 TRANSPORTS = ["hivemind", "libp2p"]
-"""The swarm tests that matter most run on both transports (issue: a second transport)."""
+"""The swarm tests that matter most run on both transports (issue: a second transport):
+one model and identical replicas, and a synchronizer's failover. The rest run on the
+default (hivemind): the late joiner and the malformed contributions use nothing of the
+transport that `test_transport.py` does not check on both (20 MB calls, records, timeouts
+of killed peers), and two more libp2p swarms cost the suite about two minutes."""
 
 
 def on_transport(kind: str) -> list[str]:

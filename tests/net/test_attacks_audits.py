@@ -47,7 +47,7 @@ from .swarm_util import (
 pytestmark = pytest.mark.timeout(1200)
 
 ROUND_WAIT_S = 300
-FLOOD_S = 45
+FLOOD_S = 30
 REFUSING = Path(__file__).resolve().parent / "refusing_sync.py"
 NOTICE_VERIFIED = re.compile(r"fraud notice round=\d+|verified notice of")
 """What audits.py logs for each notice it verifies (parent unavailable, false, or proven)."""
