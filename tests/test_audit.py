@@ -187,6 +187,30 @@ def test_an_audit_with_a_tampered_record_is_a_mismatch_and_a_missing_contributio
     scenario(3, body)
 
 
+def test_a_merge_of_fewer_contributions_than_the_quorum_is_a_mismatch() -> None:
+    """The quorum rule is the merge's (`RoundMerge.quorate`): the synchronizer commits
+    only a quorate merge, and the audit refuses a record whose merge is not, so a
+    synchronizer cannot commit a merge of one delta in a run whose quorum is two."""
+
+    async def body(cluster: Cluster) -> None:
+        _, learners = roles(cluster, 0)
+        snapshot = learners[0].state.export_fragment(0)
+        await honest_round_zero(cluster)  # two contributions merged
+        record = learners[0].replicas.committed(0, 0)
+        synchronizer, _ = roles(cluster, 0)
+        contributions = synchronizer.sync.kept.get(0, 0)
+        assert len(record.contributors) == 2
+        for quorum, verdict in ((2, OK), (3, MISMATCH)):
+            config = dataclasses.replace(CONFIG, sync=dataclasses.replace(CONFIG.sync, min_quorum=quorum))
+            auditor = Auditor(RUN, config, LIMITS, learners[0].state.fragments)
+            result = auditor.check(record, contributions, snapshot, {})
+            assert result.verdict == verdict, result
+            if verdict == MISMATCH:
+                assert "quorum (3)" in result.reason
+
+    scenario(3, body)
+
+
 def test_an_update_out_of_line_is_audited_by_everyone_even_with_no_sampling() -> None:
     async def body(cluster: Cluster) -> None:
         for node in cluster.nodes.values():

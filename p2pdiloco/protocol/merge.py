@@ -80,6 +80,15 @@ class RoundMerge:
     """The outer gradient as shipped (None when no delta was kept)."""
     decoded: dict[str, torch.Tensor] | None
     """What every replica applies: the decoded outer gradient."""
+    quorum: int
+    """The fewest deltas the screening must keep for the merge to be committed."""
+
+    @property
+    def quorate(self) -> bool:
+        """Whether the merge may be committed: at least `quorum` deltas passed the
+        screening. The one place that rule lives: the committer, the synchronizer's
+        answer to its learners, the audit and the simulator all ask this."""
+        return self.decoded is not None and len(self.screening.kept) >= self.quorum
 
 
 def merge_round(
@@ -93,8 +102,12 @@ def merge_round(
     rules: ScreeningRules,
     max_tokens_per_step: int,
     outer_codec: compress.Codec,
+    quorum: int | None = None,
 ) -> RoundMerge:
-    """Screen, weigh, merge and encode one window. Pure and deterministic."""
+    """Screen, weigh, merge and encode one window. Pure and deterministic. `quorum`: the
+    run's `sync.min_quorum` unless given (the simulator's lockstep baseline lowers it to
+    the learners it has)."""
+    quorum = sync.min_quorum if quorum is None else quorum
     ordered = tuple(sorted(candidates, key=lambda c: c.peer))
     screening = screen(
         ordered,
@@ -107,7 +120,7 @@ def merge_round(
         staleness_discount=sync.staleness_discount,
     )
     if not screening.kept:
-        return RoundMerge(ordered, screening, None, None)
+        return RoundMerge(ordered, screening, None, None, quorum)
     embeddings = frozenset(n for n in params if n.startswith("embed."))
     if outer.merge == "trimmed":
         merged = merge_screened(ordered, screening, "trimmed", trim_fraction=outer.trim_fraction)
@@ -120,4 +133,4 @@ def merge_round(
         name: compress.decode_tensor(e, expected_shape=tuple(merged[name].shape))
         for name, e in encoded.items()
     }
-    return RoundMerge(ordered, screening, encoded, decoded)
+    return RoundMerge(ordered, screening, encoded, decoded, quorum)

@@ -223,7 +223,7 @@ class Committer:
             max_tokens_per_step=self.max_tokens_per_step,
             outer_codec=self.outer_codec,
         )
-        if result.decoded is None or len(result.screening.kept) < self.config.sync.min_quorum:
+        if not result.quorate:
             return Merged(result, history_first)
         if snapshot.round != window.round:  # a rival's update was applied meanwhile
             return Merged(result, history_first)

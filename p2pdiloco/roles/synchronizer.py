@@ -379,7 +379,7 @@ class Synchronizer:
         for peer, reason in screening.refused.items():
             self._reject(window.round, window.fragment, reason, peer)
             window.answer(peer, self._reply(window, messages.REJECTED, reason=reason))
-        if len(screening.kept) < self.config.sync.min_quorum:
+        if not merged.result.quorate:
             self._finish(window, self._reply(window, messages.NO_QUORUM, reason="too few acceptable deltas"))
             return
         if merged.update is None:

@@ -144,11 +144,11 @@ class CanonicalChain:
         result = merge_round(
             candidates, history=history, params=snapshot.params, momentum=snapshot.momentum,
             outer=config.outer, sync=config.sync, rules=config.screening,
-            max_tokens_per_step=self.token_cap, outer_codec=self.outer_codec,
+            max_tokens_per_step=self.token_cap, outer_codec=self.outer_codec, quorum=quorum,
         )  # fmt: skip
-        kept = {v.peer: v for v in result.screening.kept}
-        if result.decoded is None or len(kept) < quorum:
+        if not result.quorate:
             return None
+        kept = {v.peer: v for v in result.screening.kept}
         new_hash = self.state.apply_update(fragment, round_id, result.decoded)
         self.records[fragment][round_id] = RoundRecord(
             round_id, fragment, SYNCHRONIZER, new_hash,

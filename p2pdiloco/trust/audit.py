@@ -125,8 +125,10 @@ def audit_round(
     digest_of = {c.peer: d for c, d in zip(candidates, listed, strict=True)}
     if sorted(digest_of[p] for p in result.screening.refused) != sorted(record.refused):
         return AuditResult(MISMATCH, "the refused contributions differ from the record's")
-    if result.decoded is None:
-        return AuditResult(MISMATCH, "no contribution passes the screening, yet a merge was committed")
+    if not result.quorate:
+        return AuditResult(
+            MISMATCH, f"fewer contributions pass the screening than the quorum ({result.quorum}), yet a merge was committed"
+        )
     try:
         recomputed = outer_update(snapshot, result.decoded, config.outer).hash
     except ValueError as exc:
