@@ -44,7 +44,7 @@ def test_each_peer_decodes_an_update_once_and_hashes_only_its_result(counted) ->
         peers.extend(cluster.order)  # the synchronizer of round 0 first
         decodes.clear(), hashes.clear()  # genesis hashes are taken once, at start
         outcomes = await asyncio.gather(cluster[1].contribute(1.0), cluster[2].contribute(3.0))
-        assert [o.status for o in outcomes] == [messages.MERGED, messages.MERGED]
+        assert [o.status for o in outcomes] == [messages.Reply.MERGED, messages.Reply.MERGED]
         await poll(lambda: all(node.state.rounds == [1] for node in cluster.nodes.values()))
 
     scenario(3, body)

@@ -165,7 +165,7 @@ def test_a_named_peers_record_for_the_open_round_whose_update_nobody_holds_does_
         assert await attacker.transport.store(key, subkey, sealed, now + ROUND_RECORD_TTL_S)
 
         outcomes = await contribute_all(learners, LIE_ROUND)
-        assert {o.status for o in outcomes} == {messages.MERGED}, outcomes
+        assert {o.status for o in outcomes} == {messages.Reply.MERGED}, outcomes
         for node in cluster.nodes.values():
             assert await node.replicas.sync_fragment(0)
             record = node.replicas.committed(0, LIE_ROUND)

@@ -74,7 +74,7 @@ async def honest_round_zero(cluster: Cluster) -> None:
         learners[0].link.contribute(0, 0, learners[0].frame(1.0)),
         learners[1].link.contribute(0, 0, learners[1].frame(2.0)),
     )
-    assert [o.status for o in outcomes] == [messages.MERGED, messages.MERGED]
+    assert [o.status for o in outcomes] == [messages.Reply.MERGED, messages.Reply.MERGED]
     for node in cluster.nodes.values():
         assert await node.replicas.sync_fragment(0)
         assert node.state.round_of(0) == 1
@@ -86,7 +86,7 @@ async def honest_round(cluster: Cluster, round_id: int) -> None:
         first.link.contribute(0, round_id, first.frame(1.0, round_id=round_id)),
         second.link.contribute(0, round_id, second.frame(2.0, round_id=round_id)),
     )
-    assert [o.status for o in outcomes] == [messages.MERGED, messages.MERGED]
+    assert [o.status for o in outcomes] == [messages.Reply.MERGED, messages.Reply.MERGED]
     for node in cluster.nodes.values():
         assert await node.replicas.sync_fragment(0)
 

@@ -42,7 +42,7 @@ CONFIG = replace(
 LIMITS = wire.WireLimits()
 SCENARIO_TIMEOUT_S = 9.0
 PHASES = ("after_quorum", "during_merge", "after_hold", "after_record", "after_first_reply")
-NOT_MERGED = (messages.LATE, messages.NO_QUORUM, "unreachable")
+NOT_MERGED = (messages.Reply.LATE, messages.Reply.NO_QUORUM, "unreachable")
 """Outcomes that tell a learner its delta is in no committed record of the round."""
 
 
@@ -296,13 +296,13 @@ def test_a_synchronizer_killed_at_any_commit_phase_leaves_one_round_and_loses_no
         for peer, outcome in outcomes.items():
             assert outcome.round == 0
             if committed.weight_of(peer) is not None:
-                assert outcome.status == messages.MERGED, outcome
+                assert outcome.status == messages.Reply.MERGED, outcome
                 assert outcome.weight == committed.weight_of(peer)
             else:
                 assert outcome.status in NOT_MERGED, outcome
         # with the same two learners alive on both sides of the failover, nothing is lost
         assert {c[0] for c in committed.contributors} == set(outcomes)
-        assert all(o.status == messages.MERGED for o in outcomes.values())
+        assert all(o.status == messages.Reply.MERGED for o in outcomes.values())
         # after the next heartbeat's sync, each survivor's learner was told that record
         for node in (second, third):
             assert await node.replicas.sync_fragment(0)
@@ -314,7 +314,7 @@ def test_a_synchronizer_killed_at_any_commit_phase_leaves_one_round_and_loses_no
             second.link.contribute(0, 1, second.frame(0.5, round_id=1)),
             third.link.contribute(0, 1, third.frame(0.25, round_id=1)),
         )
-        assert [o.status for o in next_outcomes] == [messages.MERGED, messages.MERGED]
+        assert [o.status for o in next_outcomes] == [messages.Reply.MERGED, messages.Reply.MERGED]
         chain = canonical_chain(RUN, cluster.dht_records().values(), genesis)
         assert sorted(chain) == [0, 1]
         assert chain[0] == committed and chain[1].parent == committed.hash
@@ -340,7 +340,7 @@ def test_a_synchronizer_that_leaves_while_closing_a_round_finishes_it_first(phas
         leaving.on_phase[phase] = leave
         outcomes = await asyncio.gather(a.contribute(1.0), b.contribute(3.0))
         await asyncio.wait_for(shutdowns[0], 5.0)
-        assert [o.status for o in outcomes] == [messages.MERGED, messages.MERGED], outcomes
+        assert [o.status for o in outcomes] == [messages.Reply.MERGED, messages.Reply.MERGED], outcomes
         (committed,) = [r for (round_id, _), r in cluster.dht_records().items() if round_id == 0]
         assert committed.synchronizer == leaving.peer_id
         assert [e["round"] for e in leaving.events if e["event"] == "round_closed"] == [0]
@@ -357,7 +357,7 @@ def test_a_synchronizer_that_leaves_while_collecting_tells_its_learners_at_once(
         await poll(lambda: (0, 0) in leaving.sync.windows)
         await asyncio.wait_for(leaving.sync.shutdown(finish_s=5.0), 1.0)
         reply = wire.decode_message(await asyncio.wait_for(waiting, 1.0), LIMITS)
-        assert reply.meta["status"] == messages.NO_QUORUM, reply.meta
+        assert reply.meta["status"] == messages.Reply.NO_QUORUM, reply.meta
         assert "leaving" in reply.meta["reason"]
         assert not cluster.dht_records()
 
@@ -396,7 +396,7 @@ def test_the_synchronizer_pushes_a_committed_update_to_a_bounded_number_of_peers
     async def body(cluster: Cluster) -> None:
         synchronizer, a, b = cluster[0], cluster[1], cluster[2]
         outcomes = await asyncio.gather(a.contribute(1.0), b.contribute(3.0))
-        assert [o.status for o in outcomes] == [messages.MERGED, messages.MERGED], outcomes
+        assert [o.status for o in outcomes] == [messages.Reply.MERGED, messages.Reply.MERGED], outcomes
         await poll(lambda: not synchronizer.sync.committer.tasks, timeout_s=20)
         (committed,) = [r for (round_id, _), r in cluster.dht_records().items() if round_id == 0]
         others = [n for n in cluster.nodes.values() if n is not synchronizer]
@@ -442,10 +442,10 @@ def test_a_delta_arriving_during_the_merge_is_told_it_is_late() -> None:
         await refused.wait()  # it is answered once the commit is over, with the record
         release.set()
         reply = wire.decode_message(await late, LIMITS)
-        assert reply.meta["status"] == messages.LATE
+        assert reply.meta["status"] == messages.Reply.LATE
         assert reply.meta["reason"] == "window is closing"
         outcomes = await contributions
-        assert [o.status for o in outcomes] == [messages.MERGED, messages.MERGED]
+        assert [o.status for o in outcomes] == [messages.Reply.MERGED, messages.Reply.MERGED]
         (record,) = cluster.dht_records().values()
         assert reply.meta["record"] == record.sealed
         assert record.weight_of(synchronizer.peer_id) is None
@@ -469,7 +469,7 @@ def test_a_contribution_naming_another_peer_is_rejected() -> None:
             5.0,
         )
         reply = wire.decode_message(raw, LIMITS)
-        assert reply.meta["status"] == messages.REJECTED
+        assert reply.meta["status"] == messages.Reply.REJECTED
         assert reply.meta["reason"] == "contribution names another peer"
 
     scenario(3, body)
@@ -524,7 +524,7 @@ def test_split_views_two_records_every_peer_ends_on_the_canonical_winner() -> No
         # each side applied its own synchronizer's update
         assert x.hash() == lx.hash() == winner.hash
         assert y.hash() == ly.hash() == loser.hash
-        assert outcomes[lx.peer_id].status == messages.MERGED
+        assert outcomes[lx.peer_id].status == messages.Reply.MERGED
         # the views heal; the next heartbeat syncs every fragment
         for node in cluster.nodes.values():
             node.view = set(cluster.nodes)
@@ -572,7 +572,7 @@ def test_a_delta_is_reported_merged_only_when_its_record_is_in_the_dht() -> None
         cluster.network.refuse_records = True
         outcomes = await asyncio.gather(cluster[1].contribute(1.0), cluster[2].contribute(3.0))
         assert not cluster.dht_records()
-        assert all(o.status != messages.MERGED for o in outcomes), outcomes
+        assert all(o.status != messages.Reply.MERGED for o in outcomes), outcomes
 
     scenario(3, body)
 
@@ -586,7 +586,7 @@ def test_a_record_the_dht_kept_but_reported_not_stored_is_a_commit() -> None:
         cluster.network.misreport_records = True
         outcomes = await asyncio.gather(cluster[1].contribute(1.0), cluster[2].contribute(3.0))
         (committed,) = cluster.dht_records().values()
-        assert [o.status for o in outcomes] == [messages.MERGED, messages.MERGED], outcomes
+        assert [o.status for o in outcomes] == [messages.Reply.MERGED, messages.Reply.MERGED], outcomes
         assert committed.synchronizer == cluster[0].peer_id
         assert [e["round"] for e in cluster[0].events if e["event"] == "round_closed"] == [0]
 
@@ -625,11 +625,11 @@ def test_hold_update_refuses_a_frame_that_names_another_synchronizer_than_the_ca
         caller, holder, other = cluster[0], cluster[1], cluster[2]
         frame = update_frame(other.peer_id, holder.replicas.genesis[0])
         reply = await hold(caller, holder, frame)
-        assert reply.meta["status"] == messages.REJECTED
+        assert reply.meta["status"] == messages.Reply.REJECTED
         assert reply.meta["reason"] == "update names another synchronizer"
         assert holder.replicas.store.get(0, update_digest(frame)) is None
         missing = wire.decode_message(await get_update(caller, holder, update_digest(frame)), LIMITS)
-        assert missing.meta["status"] == messages.MISSING
+        assert missing.meta["status"] == messages.Reply.MISSING
 
     scenario(3, body)
 
@@ -651,7 +651,7 @@ def test_hold_update_never_keeps_a_frame_that_is_not_an_update_of_this_fragment(
                 reply = await hold(caller, holder, frame)
             except RemoteError:
                 continue  # refused: see the junk-request tests below
-            assert reply.meta["status"] == messages.REJECTED
+            assert reply.meta["status"] == messages.Reply.REJECTED
         assert holder.replicas.store.of_round(0, 0) == []
 
     scenario(2, body)
@@ -668,7 +668,7 @@ def test_hold_update_answers_a_frame_that_is_not_an_update_with_a_rejection() ->
     async def body(cluster: Cluster) -> None:
         caller, holder = cluster[0], cluster[1]
         for frame in not_an_update(caller):
-            assert (await hold(caller, holder, frame)).meta["status"] == messages.REJECTED
+            assert (await hold(caller, holder, frame)).meta["status"] == messages.Reply.REJECTED
 
     scenario(2, body)
 
@@ -679,7 +679,7 @@ def test_a_junk_request_is_answered_with_a_rejection_not_a_handler_failure(rpc: 
         caller, server = cluster[0], cluster[1]
         raw = await caller.transport.call(server.peer_id, f"{RUN}.{rpc}", b"junk", 5.0)
         reply = wire.decode_message(raw, LIMITS)
-        assert reply.meta["status"] == messages.REJECTED
+        assert reply.meta["status"] == messages.Reply.REJECTED
 
     scenario(2, body)
 
@@ -690,7 +690,7 @@ def test_a_learner_whose_frame_is_garbage_is_told_rejected_by_the_first_synchron
         outcome = await cluster[1].link.contribute(0, 0, garbage)
         # today: every synchronizer's handler fails, the learner fails over through all of
         # them and reports "unreachable" while each counted a rejection
-        assert outcome.status == messages.REJECTED, outcome
+        assert outcome.status == messages.Reply.REJECTED, outcome
         assert sum(node.sync.num_rejected for node in cluster.nodes.values()) == 1
 
     scenario(3, body)
@@ -702,13 +702,13 @@ def test_a_held_frame_is_served_byte_for_byte_by_its_digest_and_is_not_applied()
         frame = update_frame(synchronizer.peer_id, holder.replicas.genesis[0])
         digest = update_digest(frame)
         reply = await hold(synchronizer, holder, frame)
-        assert reply.meta["status"] == messages.HELD
+        assert reply.meta["status"] == messages.Reply.HELD
         assert reply.meta["digest"] == digest
         assert holder.state.round_of(0) == 0  # held, not applied: only a record commits it
         assert await get_update(reader, holder, digest) == frame
         assert await get_update(reader, holder, None) == frame  # by round, without a digest
         missing = wire.decode_message(await get_update(reader, holder, "0" * 32), LIMITS)
-        assert missing.meta["status"] == messages.MISSING
+        assert missing.meta["status"] == messages.Reply.MISSING
 
     scenario(3, body)
 
@@ -725,12 +725,12 @@ def test_hold_update_refuses_a_caller_this_replica_could_not_elect_whatever_its_
         frame = update_frame(stranger.peer_id, holder.replicas.genesis[0])
         raw = await stranger.call(holder.peer_id, f"{RUN}.{messages.RPC_HOLD_UPDATE}", frame, 5.0)
         reply = wire.decode_message(raw, LIMITS)
-        assert reply.meta["status"] == messages.REJECTED
+        assert reply.meta["status"] == messages.Reply.REJECTED
         assert reply.meta["reason"] == "caller may not synchronize"
         assert holder.replicas.store.get(0, update_digest(frame)) is None
         # a peer it could elect is still held (the first of the round's order)
         first = cluster[0]
         reply = await hold(first, holder, update_frame(first.peer_id, holder.replicas.genesis[0]))
-        assert reply.meta["status"] == messages.HELD
+        assert reply.meta["status"] == messages.Reply.HELD
 
     scenario(3, body)

@@ -98,7 +98,7 @@ def update_frame(values: torch.Tensor | None = None) -> bytes:
 
 
 def reply_frame(**meta: Any) -> bytes:
-    return messages.reply(RUN, 3, 0, "sync-peer", messages.MERGED, weight=0.5, **meta)
+    return messages.reply(RUN, 3, 0, "sync-peer", messages.Reply.MERGED, weight=0.5, **meta)
 
 
 def mutate(frame: bytes, edits: list[tuple[int, int]], cut: int | None, tail: bytes) -> bytes:
@@ -420,7 +420,7 @@ def test_decode_reply_never_raises_on_mutated_frames(
     result = messages.decode_reply(mutate(frame, edits, cut, tail), LIMITS, RUN)
     if isinstance(result, wire.Message):
         assert result.kind == messages.CONTRIBUTE_REPLY and result.run == RUN
-        assert result.meta["status"] in messages.STATUSES
+        assert isinstance(result.meta["status"], messages.Reply)  # the enum, not the text
 
 
 @FAST
@@ -439,7 +439,7 @@ def test_decode_reply_types_and_bounds_every_field(field: str, value: Any) -> No
     if isinstance(result, wire.Rejected):
         return
     meta = result.meta
-    assert meta["status"] in messages.STATUSES and isinstance(meta["peer"], str)
+    assert isinstance(meta["status"], messages.Reply) and isinstance(meta["peer"], str)
     weight = meta.get("weight", 0.0)
     assert type(weight) in (int, float) and 0 <= weight < math.inf
     if "contributors" in meta:
@@ -455,7 +455,7 @@ def test_decode_reply_types_and_bounds_every_field(field: str, value: Any) -> No
         (lambda: with_meta(reply_frame(), moved_to=""), "moved_to"),
         (lambda: with_meta(reply_frame(), contributors=[["a", "nan", 1]]), "weight"),
         (lambda: contribution(), "expected a contribute_reply"),
-        (lambda: messages.reply("other", 3, 0, "p", messages.MERGED), "another run"),
+        (lambda: messages.reply("other", 3, 0, "p", messages.Reply.MERGED), "another run"),
         (lambda: b"\x00" * 20, "bad magic"),
     ],
 )

@@ -63,15 +63,15 @@ def test_hold_update_from_a_peer_the_election_cannot_pick_is_refused() -> None:
         holder, stranger = cluster[1], cluster[5]  # 6th of the order: past the failovers
         frame = _frame(stranger.peer_id, holder.replicas.genesis[0])
         reply = await hold(stranger, holder, frame)
-        assert reply.meta["status"] == messages.REJECTED
+        assert reply.meta["status"] == messages.Reply.REJECTED
         assert "not a synchronizer" in reply.meta["reason"]
         assert holder.replicas.store.get(0, update_digest(frame)) is None
         # a round far from the holder's: refused too, even from the elected synchronizer
         far = _frame(cluster[0].peer_id, holder.replicas.genesis[0], round_id=50)
-        assert (await hold(cluster[0], holder, far)).meta["status"] == messages.REJECTED
+        assert (await hold(cluster[0], holder, far)).meta["status"] == messages.Reply.REJECTED
         # the elected synchronizer of the round is held
         genuine = _frame(cluster[0].peer_id, holder.replicas.genesis[0])
-        assert (await hold(cluster[0], holder, genuine)).meta["status"] == messages.HELD
+        assert (await hold(cluster[0], holder, genuine)).meta["status"] == messages.Reply.HELD
 
     scenario(6, body)
 
@@ -81,12 +81,12 @@ def test_a_flood_of_holds_cannot_evict_a_genuine_frame() -> None:
         synchronizer, flooder, holder = cluster[0], cluster[1], cluster[2]
         parent = holder.replicas.genesis[0]
         genuine = _frame(synchronizer.peer_id, parent, tag=-1)
-        assert (await hold(synchronizer, holder, genuine)).meta["status"] == messages.HELD
+        assert (await hold(synchronizer, holder, genuine)).meta["status"] == messages.Reply.HELD
         kept = new_update(RUN, 0, 0, "x", parent, "kept", [], {})
         holder.replicas.keep(kept)
         for tag in range(60):  # more than the store keeps (48 a fragment)
             reply = await hold(flooder, holder, _frame(flooder.peer_id, parent, tag=tag))
-            assert reply.meta["status"] == messages.HELD  # a failover may hold, within its quota
+            assert reply.meta["status"] == messages.Reply.HELD  # a failover may hold, within its quota
         store = holder.replicas.store
         assert store.get(0, update_digest(genuine)) is not None
         assert store.get(0, kept.digest) is not None

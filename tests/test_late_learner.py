@@ -156,8 +156,8 @@ def test_a_delta_that_arrives_while_its_window_commits_is_answered_with_the_reco
     async def scenario() -> None:
         top, second, third = await three_peers()
         statuses, reply = await late_reply(top, second, third, HeldCommit(top))
-        assert statuses == [messages.MERGED, messages.MERGED]
-        assert reply.meta["status"] == messages.LATE
+        assert statuses == [messages.Reply.MERGED, messages.Reply.MERGED]
+        assert reply.meta["status"] == messages.Reply.LATE
         record = top.replicas.committed(0, 0)
         assert record is not None and reply.meta.get("record") == record.sealed, (
             "late, and the record to follow"
@@ -170,9 +170,9 @@ def test_a_delta_that_arrives_while_its_window_fails_to_commit_is_not_answered_l
     async def scenario() -> None:
         top, second, third = await three_peers()
         statuses, reply = await late_reply(top, second, third, HeldCommit(top, holders_found=False))
-        assert statuses == [messages.NO_QUORUM, messages.NO_QUORUM]
+        assert statuses == [messages.Reply.NO_QUORUM, messages.Reply.NO_QUORUM]
         # the round is still open: folded and sent again, not held back as closed
-        assert reply.meta["status"] == messages.NO_QUORUM
+        assert reply.meta["status"] == messages.Reply.NO_QUORUM
         assert top.state.round_of(0) == 0
 
     run(scenario())
@@ -197,11 +197,11 @@ def test_a_full_window_closes_at_once_and_a_delta_beyond_it_is_answered_with_the
 
         top.sync._window = small_window
         statuses, reply = await late_reply(top, second, third, HeldCommit(top))
-        assert statuses == [messages.MERGED, messages.MERGED]
+        assert statuses == [messages.Reply.MERGED, messages.Reply.MERGED]
         assert top.sync.windows == {}
         record = top.replicas.committed(0, 0)
         assert record is not None and len(record.contributors) == 2
-        assert reply.meta["status"] == messages.LATE and reply.meta.get("record") == record.sealed
+        assert reply.meta["status"] == messages.Reply.LATE and reply.meta.get("record") == record.sealed
 
     run(scenario())
 
@@ -214,11 +214,11 @@ def test_a_learner_answered_late_follows_the_chain_to_its_head() -> None:
                 top.link.contribute(0, round_id, top.frame(round_id)),
                 second.link.contribute(0, round_id, second.frame(round_id)),
             )
-            assert [o.status for o in outcomes] == [messages.MERGED, messages.MERGED]
+            assert [o.status for o in outcomes] == [messages.Reply.MERGED, messages.Reply.MERGED]
         assert top.state.round_of(0) == second.state.round_of(0) == 3
         assert third.state.round_of(0) == 0
         outcome = await third.link.contribute(0, 0, third.frame(0))
-        assert outcome.status == messages.LATE
+        assert outcome.status == messages.Reply.LATE
         # at the head, not one round on: its next delta goes to the round the swarm is at
         assert third.state.round_of(0) == 3
         assert third.state.current_hash(0) == top.state.current_hash(0)
@@ -257,12 +257,12 @@ def test_a_synchronizer_a_round_behind_its_learners_catches_up_and_takes_their_d
         while not top.sync.windows.get((0, 0)):
             await asyncio.sleep(0.01)
         first = await asyncio.gather(*(p.link.contribute(0, 0, p.frame(0)) for p in learners))
-        assert wire.decode_message(await bare, LIMITS).meta["status"] == messages.MERGED
+        assert wire.decode_message(await bare, LIMITS).meta["status"] == messages.Reply.MERGED
         assert behind.peer_id in top.replicas.committed(0, 0).named
-        assert {o.status for o in first} <= {messages.MERGED, messages.LATE}
+        assert {o.status for o in first} <= {messages.Reply.MERGED, messages.Reply.LATE}
         assert behind.state.round_of(0) == 0 and top.state.round_of(0) == 1
         second = await asyncio.gather(*(p.link.contribute(0, 1, p.frame(1)) for p in learners))
-        assert [(o.status, o.synchronizer) for o in second] == [(messages.MERGED, behind.peer_id)] * 2
+        assert [(o.status, o.synchronizer) for o in second] == [(messages.Reply.MERGED, behind.peer_id)] * 2
         assert {p.state.current_hash(0) for p in peers.values()} == {behind.state.current_hash(0)}
 
     run(scenario())

@@ -67,7 +67,7 @@ async def honest_rounds(cluster: Cluster, rounds: range) -> None:
         top = top_of(cluster, round_id)
         others = [n for n in cluster.nodes.values() if n is not top]
         outcomes = await contribute_all(others, round_id)
-        assert messages.MERGED in {o.status for o in outcomes}, outcomes  # a third may be late
+        assert messages.Reply.MERGED in {o.status for o in outcomes}, outcomes  # a third may be late
         for node in cluster.nodes.values():
             assert await node.replicas.sync_fragment(0)
             assert node.state.round_of(0) == round_id + 1
@@ -107,7 +107,7 @@ def test_a_live_synchronizer_refusing_audits_of_its_outsized_update_does_not_hal
             assert node.state.round_of(0) == LIE_ROUND and node.hash() == before
             assert lie.digest in node.replicas.audits.unverified_since
         # a held record settles nothing: the delta is not booked merged in the lie
-        assert messages.MERGED not in {o.status for o in first}, first
+        assert messages.Reply.MERGED not in {o.status for o in first}, first
 
         # the held round is retried with a back-off, not on every pass
         asked = calls[0]
@@ -126,13 +126,13 @@ def test_a_live_synchronizer_refusing_audits_of_its_outsized_update_does_not_hal
         started = time.monotonic()
         while True:
             outcomes = await contribute_all(honest, LIE_ROUND)
-            if messages.MERGED in {o.status for o in outcomes}:
+            if messages.Reply.MERGED in {o.status for o in outcomes}:
                 break
             # bounded, with room for a loaded machine: a re-run synchronizer may wait out its
             # quorum deadline (5 s) once when the learners go past the liar a pass apart
             assert time.monotonic() - started < 40 * VOID_AFTER_S, outcomes
             await asyncio.sleep(VOID_AFTER_S / 4)  # a learner's retry cadence, not a sync
-        assert liar.peer_id not in {o.synchronizer for o in outcomes if o.status == messages.MERGED}
+        assert liar.peer_id not in {o.synchronizer for o in outcomes if o.status == messages.Reply.MERGED}
         for node in cluster.nodes.values():
             await node.replicas.sync_fragment(0)
             await node.replicas.sync_fragment(0)
@@ -145,7 +145,7 @@ def test_a_live_synchronizer_refusing_audits_of_its_outsized_update_does_not_hal
 
         # and the run goes on
         outcomes = await contribute_all(honest, LIE_ROUND + 1)
-        assert messages.MERGED in {o.status for o in outcomes}, outcomes
+        assert messages.Reply.MERGED in {o.status for o in outcomes}, outcomes
         for node in honest:
             assert await node.replicas.sync_fragment(0)
         assert len({n.hash() for n in honest}) == 1
@@ -166,7 +166,7 @@ def test_a_held_update_that_verifies_later_is_applied_and_its_synchronizer_trust
         for node in honest:  # after a stretch of tiny updates, an honest one is out of line
             node.replicas.audits.recent_norms[0].extend([1e-3] * 8)
         outcomes = await contribute_all(honest, LIE_ROUND)
-        assert messages.MERGED not in {o.status for o in outcomes}, outcomes
+        assert messages.Reply.MERGED not in {o.status for o in outcomes}, outcomes
         for node in honest:
             assert node.state.round_of(0) == LIE_ROUND
         for node in honest:
@@ -195,7 +195,7 @@ def test_a_round_applied_meanwhile_is_not_held_nor_its_synchronizer_distrusted()
         auditor = honest[0]
         auditor.replicas.audits.recent_norms[0].extend([1e-3] * 8)  # the round is out of line
         outcomes = await contribute_all(honest[1:], LIE_ROUND)
-        assert messages.MERGED in {o.status for o in outcomes}, outcomes
+        assert messages.Reply.MERGED in {o.status for o in outcomes}, outcomes
         assert await auditor.replicas.sync_fragment(0)  # audited (OK) and applied
         record = auditor.replicas.committed(0, LIE_ROUND)
         # the slower path, whose audit starts once the replica is past the round

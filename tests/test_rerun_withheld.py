@@ -45,7 +45,7 @@ def withholding(node: Node, serve_after_s: float | None = None) -> Callable[[], 
         async def refuse(caller: str, request: bytes) -> bytes:
             if serve_after_s is not None and time.monotonic() - since >= serve_after_s:
                 return await served[name][0](caller, request)
-            return messages.reply(RUN, 0, 0, node.peer_id, messages.MISSING)
+            return messages.reply(RUN, 0, 0, node.peer_id, messages.Reply.MISSING)
 
         return refuse
 
@@ -66,7 +66,7 @@ async def learner_books(node: Node, round_id: int, scale: float, patience_s: flo
     while time.monotonic() < deadline:
         outcome = await node.link.contribute(0, round_id, node.frame(scale, round_id=round_id))
         outcomes.append(outcome)
-        if outcome.status == messages.MERGED:
+        if outcome.status == messages.Reply.MERGED:
             while node.state.round_of(0) == round_id and not unsettled(0, round_id):
                 if time.monotonic() > deadline:
                     return outcomes
@@ -82,7 +82,7 @@ async def learner_books(node: Node, round_id: int, scale: float, patience_s: flo
 
 
 def merged_by(outcomes: list[Outcome]) -> list[str]:
-    return [o.synchronizer for o in outcomes if o.status == messages.MERGED]
+    return [o.synchronizer for o in outcomes if o.status == messages.Reply.MERGED]
 
 
 def test_a_live_synchronizer_that_withholds_its_update_frame_does_not_halt_the_run() -> None:
@@ -122,12 +122,12 @@ def test_a_live_synchronizer_that_withholds_its_update_frame_does_not_halt_the_r
         assert len(listed & {n.peer_id for n in honest}) >= 2, rerun.contributors
         for node, outcomes in zip(honest, books, strict=True):
             final = outcomes[-1]
-            if final.status == messages.MERGED and final.synchronizer == withholder.peer_id:
+            if final.status == messages.Reply.MERGED and final.synchronizer == withholder.peer_id:
                 # the re-run landed while this learner still waited on the withheld record
                 # (its own fold not due yet): the take-over finds its delta in no canonical
                 # record, so its work stays local, for round 5
                 assert node.peer_id not in listed, outcomes
-            elif final.status == messages.MERGED:
+            elif final.status == messages.Reply.MERGED:
                 assert final.synchronizer == rerun.synchronizer and node.peer_id in listed, outcomes
             else:
                 assert node.peer_id not in listed, outcomes  # its work stays local, for round 5
@@ -156,7 +156,7 @@ def test_an_update_served_after_a_few_seconds_is_merged_once_and_never_re_run() 
         withholding(slow, serve_after_s=2 * VOID_AFTER_S)
 
         outcomes = await contribute_all(honest, LIE_ROUND)
-        assert {o.status for o in outcomes} <= {messages.MERGED, messages.LATE}, outcomes
+        assert {o.status for o in outcomes} <= {messages.Reply.MERGED, messages.Reply.LATE}, outcomes
         record = slow.replicas.committed(0, LIE_ROUND)
         while any(n.state.round_of(0) == LIE_ROUND for n in honest):
             for node in honest:
@@ -168,6 +168,6 @@ def test_an_update_served_after_a_few_seconds_is_merged_once_and_never_re_run() 
             assert node.replicas.committed(0, LIE_ROUND).digest == record.digest
             assert node.hash() == record.hash
         for node, outcome in zip(honest, outcomes, strict=True):
-            assert (outcome.status == messages.MERGED) == (node.peer_id in {c[0] for c in record.contributors})
+            assert (outcome.status == messages.Reply.MERGED) == (node.peer_id in {c[0] for c in record.contributors})
 
     scenario(4, body)

@@ -33,7 +33,7 @@ def state_request(part: int, fragment: int = 0) -> bytes:
 
 def refused(answer: bytes) -> bool:
     msg = wire.decode_message(answer, SMALL)
-    return not isinstance(msg, wire.Rejected) and msg.kind == messages.CONTRIBUTE_REPLY and msg.meta.get("status") == messages.REJECTED
+    return not isinstance(msg, wire.Rejected) and msg.kind == messages.CONTRIBUTE_REPLY and msg.meta.get("status") == messages.Reply.REJECTED
 
 
 def make_server(worker: ThreadPoolExecutor) -> UpdateServer:

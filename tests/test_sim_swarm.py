@@ -174,7 +174,7 @@ def test_a_larger_preset_is_charged_its_tensor_bytes_per_frame_not_a_multiple_of
     assert network.charged("membership", delta, response=False) == len(delta)
     # what carries no tensors weighs what it weighs: a contribute reply (the synchronizer
     # sends M of them a window), a get_update request, a MISSING, bytes that are no frame
-    reply = messages.reply("r", 3, 0, "peer", messages.MERGED, digest="ab" * 32)
+    reply = messages.reply("r", 3, 0, "peer", messages.Reply.MERGED, digest="ab" * 32)
     assert wire.tensor_bytes(reply) == 0
     for message in (reply, b"", b"P2PD", b"junk" * 100):
         for category in ("deltas", "updates", "state"):

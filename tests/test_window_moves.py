@@ -114,7 +114,7 @@ def test_a_window_held_alone_moves_to_the_better_placed_peer_once_it_is_seen() -
         other = asyncio.create_task(third.link.contribute(0, 0, third.frame(3.0)))
         outcomes = await asyncio.gather(alone, other)
         for outcome in outcomes:
-            assert outcome.status == messages.MERGED
+            assert outcome.status == messages.Reply.MERGED
             assert outcome.synchronizer == top.transport.peer_id
         moved = [e for e in second.events if e["event"] == "window_moved"]
         assert moved and moved[0]["to"] == top.transport.peer_id
@@ -134,7 +134,7 @@ def test_a_peer_below_the_top_refuses_to_open_a_window_and_names_the_top() -> No
             seal_contribution(top.transport.identity, RUN, top.frame(1.0)), 10
         )
         reply = wire.decode_message(raw, LIMITS)
-        assert reply.meta["status"] == messages.MOVED
+        assert reply.meta["status"] == messages.Reply.MOVED
         assert reply.meta["moved_to"] == top.transport.peer_id
         assert not second.sync.windows
 
@@ -153,7 +153,7 @@ def test_failover_past_a_dead_top_that_is_still_in_the_views_does_not_move_back(
             third.link.contribute(0, 0, third.frame(3.0)),
         )
         for outcome in outcomes:
-            assert outcome.status == messages.MERGED
+            assert outcome.status == messages.Reply.MERGED
             assert outcome.synchronizer == second.transport.peer_id
         assert not [e for e in second.events if e["event"] == "window_moved"]
 
@@ -183,7 +183,7 @@ def test_a_peer_the_chain_never_named_opens_no_window_and_sends_the_delta_to_one
         outcomes = await asyncio.gather(
             second.link.contribute(0, 0, second.frame(1.0)), third.link.contribute(0, 0, third.frame(3.0))
         )
-        assert [o.status for o in outcomes] == [messages.MERGED, messages.MERGED]
+        assert [o.status for o in outcomes] == [messages.Reply.MERGED, messages.Reply.MERGED]
         late.sees(*ids)
         assert await late.replicas.sync_fragment(0) and late.state.round_of(0) == 1
         assert late.sync.elected_elsewhere(1, 0) is None  # it tops round 1's order by itself
@@ -201,13 +201,13 @@ def test_a_peer_the_chain_never_named_opens_no_window_and_sends_the_delta_to_one
             return wire.decode_message(raw, LIMITS)
 
         reply = await send([])
-        assert reply.meta["status"] == messages.MOVED
+        assert reply.meta["status"] == messages.Reply.MOVED
         assert reply.meta["moved_to"] == synchronizer_order(RUN, 1, 0, named)[0]
         best = synchronizer_order(RUN, 1, 0, named)[0]
         reply = await send([best])
         assert reply.meta["moved_to"] == synchronizer_order(RUN, 1, 0, [p for p in named if p != best])[0]
         reply = await send(named)
-        assert reply.meta["status"] == messages.NO_QUORUM
+        assert reply.meta["status"] == messages.Reply.NO_QUORUM
         assert reply.meta["reason"] == NOT_PROVEN
         assert not late.sync.windows
 

@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 
 from p2pdiloco import __version__
 from p2pdiloco.errors import NetworkSetupError
+from p2pdiloco.wire.messages import NoAnswer, Reply
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ REJECTION_REASONS: tuple[tuple[str, tuple[str, ...]], ...] = (
 """Coarse reason of a refused contribution: the first label whose words the text holds,
 else `other`. The texts carry numbers (norms, rounds); the labels are this fixed set."""
 
-STATUSES = ("merged", "late", "no_quorum", "rejected", "behind", "moved", "unreachable", "failed")
+STATUSES = frozenset({*Reply, *NoAnswer})
 """What became of a contribution (`messages.Outcome.status`); anything else is `other`."""
 
 _TOKEN = re.compile(r"[^a-z0-9]+")
@@ -285,7 +286,7 @@ class PeerMetrics:
         elif kind == "contributed":
             status = e["status"] if e["status"] in STATUSES else "other"
             self.contributions.labels(status).inc()
-            if status == "merged":
+            if status == Reply.MERGED:
                 self._weigh(float(e["weight"]))
         elif kind == "delta_merged":
             self.rounds_merged.inc()

@@ -18,22 +18,33 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import torch
 
 from p2pdiloco.compress import EncodedTensor
 from p2pdiloco.protocol.ledger import Claim, Params, WorkLedger, progress_of
+from p2pdiloco.wire.messages import NoAnswer
 
 KEPT_PER_FRAGMENT = 16
 """Decided deltas a learner keeps a fragment (merged and folded), to move their progress
 back or out if a rival record later takes their round."""
 
-AMBIGUOUS = ("unreachable", "failed")
+AMBIGUOUS = frozenset(NoAnswer)
 """Outcomes that do not say whether a synchronizer merged the delta: it may still commit.
 Such a delta waits for the record of its round, at most `sync.round_deadline_s`."""
 
-MERGED, FOLDED, LOST = "merged", "folded", "lost"
+
+class Decision(StrEnum):
+    """What the learner decided about a delta it shipped (`DeltaBook.decide`)."""
+
+    MERGED = "merged"
+    """In its round's merge: its work left the ledger (the record may still flip it)."""
+    FOLDED = "folded"
+    """Not merged: its work stays in the local progress, to go out with the next delta."""
+    LOST = "lost"
+    """Refused for what it is: its work is dropped, and reported lost."""
 
 
 @dataclass
@@ -64,11 +75,11 @@ class InFlight:
 
 @dataclass(frozen=True)
 class Fate:
-    """A decided delta: `merged`, `folded` or `lost`, and the progress to take out of the
-    model now (None: nothing moves)."""
+    """A decided delta: what was decided, and the progress to take out of the model now
+    (None: nothing moves)."""
 
     item: InFlight
-    kind: str
+    kind: Decision
     move_out: Params | None = None
 
 
@@ -110,23 +121,23 @@ class DeltaBook:
         closed_round, closed_at = self.closed_round.get(fragment, (-1, 0.0))
         return closed_round >= base_round and now - closed_at < patience_s
 
-    def decide(self, fragment: int, kind: str, moved: bool = False) -> Fate:
+    def decide(self, fragment: int, kind: Decision, moved: bool = False) -> Fate:
         """The fate of the delta on its way for `fragment`. `moved`: the take-over already
         took a merged delta's progress out (`take_over` with `leaving`)."""
         item = self.in_flight.pop(fragment)
         key = (fragment, item.target_round)
         progress, item.progress = item.progress, None  # from now on only the encoded tensors
         ledger = self.ledgers[fragment]
-        if kind == LOST:
+        if kind == Decision.LOST:
             ledger.leave(item.claim)
-            return Fate(item, LOST, progress)
-        if kind == MERGED:
+            return Fate(item, Decision.LOST, progress)
+        if kind == Decision.MERGED:
             ledger.leave(item.claim)
             self.folded.pop(key, None)  # one delta of ours a round: an earlier one is not it
             self.booked[key] = item
-            return Fate(item, MERGED, None if moved else progress)
+            return Fate(item, Decision.MERGED, None if moved else progress)
         self.folded[key] = item
-        return Fate(item, FOLDED)
+        return Fate(item, Decision.FOLDED)
 
     def undecided_past(self, now: float, patience_s: float) -> list[int]:
         """Fragments whose delta got an ambiguous answer more than `patience_s` ago."""

@@ -76,30 +76,30 @@ def check_contribution(
     """Whether `caller`'s decoded contribution may enter the window of its round, given
     this replica's round of each fragment (`rounds`) and their layouts."""
     if isinstance(msg, wire.Rejected):
-        return Refused(messages.REJECTED, msg.reason)
+        return Refused(messages.Reply.REJECTED, msg.reason)
     target, fragment = msg.round, msg.fragment
     if msg.kind != wire.CONTRIBUTION or msg.run != run:
-        return Refused(messages.REJECTED, f"unexpected {msg.kind} for run {msg.run!r}", target, fragment)
+        return Refused(messages.Reply.REJECTED, f"unexpected {msg.kind} for run {msg.run!r}", target, fragment)
     if msg.meta.get("peer") != caller:
         # Auditors check the signature against the named peer: a frame naming someone
         # else would make an honest merge look forged.
-        return Refused(messages.REJECTED, "contribution names another peer", target, fragment)
+        return Refused(messages.Reply.REJECTED, "contribution names another peer", target, fragment)
     if not 0 <= fragment < len(rounds):
-        return Refused(messages.REJECTED, f"no fragment {fragment}", target, fragment)
+        return Refused(messages.Reply.REJECTED, f"no fragment {fragment}", target, fragment)
     current = rounds[fragment]
     if target > current:
-        return Refused(messages.BEHIND, f"synchronizer at round {current}", target, fragment)
+        return Refused(messages.Reply.BEHIND, f"synchronizer at round {current}", target, fragment)
     if target < current:
-        return Refused(messages.LATE, "round already closed", target, fragment)
+        return Refused(messages.Reply.LATE, "round already closed", target, fragment)
     step_time_s = msg.meta.get("step_time_s", 0.0)
     if not isinstance(step_time_s, int | float) or not math.isfinite(step_time_s) or step_time_s < 0:
-        return Refused(messages.REJECTED, "step_time_s must be a finite number >= 0", target, fragment)
+        return Refused(messages.Reply.REJECTED, "step_time_s must be a finite number >= 0", target, fragment)
     base_round = int(msg.meta["base_round"])
     reason = staleness_rejection(base_round, current, max_staleness_rounds) or check_layout(
         fragment, msg, layouts[fragment]
     )
     if reason:
-        return Refused(messages.REJECTED, reason, target, fragment)
+        return Refused(messages.Reply.REJECTED, reason, target, fragment)
     return Accepted(
         round=target,
         fragment=fragment,

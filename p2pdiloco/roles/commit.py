@@ -296,7 +296,7 @@ class Committer:
         reply = messages.decode_reply(raw, self.limits, self.run)
         if (
             not isinstance(reply, wire.Rejected)
-            and reply.meta.get("status") == messages.HELD
+            and reply.meta.get("status") == messages.Reply.HELD
             and reply.meta.get("digest") == update.digest
         ):
             receipt = reply.meta.get("receipt", b"")

@@ -27,9 +27,8 @@ import torch
 from p2pdiloco import compress
 from p2pdiloco.config import RunConfig
 from p2pdiloco.protocol.deltas import (
-    FOLDED,
-    LOST,
-    MERGED,
+    AMBIGUOUS,
+    Decision,
     DeltaBook,
     Flip,
     InFlight,
@@ -41,8 +40,7 @@ from p2pdiloco.protocol.ledger import Claim, move_progress, take_over
 from p2pdiloco.roles.shipping import Shipper, Submit
 from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.training.train import InnerTrainer, evaluate
-from p2pdiloco.wire.messages import LATE, REJECTED, Outcome
-from p2pdiloco.wire.messages import MERGED as MERGED_REPLY
+from p2pdiloco.wire.messages import NoAnswer, Outcome, Reply
 
 log = logging.getLogger(__name__)
 
@@ -303,7 +301,7 @@ class Learner:
                 outcome: Outcome = item.future.result()
             except Exception as exc:  # noqa: BLE001 - a network fault is a missed window
                 log.warning("contribution failed fragment=%d error=%r", fragment, exc)
-                outcome = Outcome("failed", item.target_round, fragment, reason=repr(exc)[:200])
+                outcome = Outcome(NoAnswer.FAILED, item.target_round, fragment, reason=repr(exc)[:200])
             item.reply, item.replied_at, item.weight = outcome.status, time.monotonic(), outcome.weight
             self.progress.bytes_received += outcome.bytes_received
             if outcome.latency_s > 0.0:
@@ -313,17 +311,17 @@ class Learner:
                  "weight": outcome.weight, "synchronizer": outcome.synchronizer, "reason": outcome.reason}
             )  # fmt: skip
             self.progress.status = "training"
-            if outcome.status == REJECTED:
+            if outcome.status == Reply.REJECTED:
                 # the swarm refused this work: folding it would send it again, and bigger
-                self._decide(fragment, LOST, f"refused: {outcome.reason}"[:120])
-            elif outcome.status != MERGED_REPLY and outcome.status not in ("unreachable", "failed"):
-                if outcome.status == LATE:
+                self._decide(fragment, Decision.LOST, f"refused: {outcome.reason}"[:120])
+            elif outcome.status != Reply.MERGED and outcome.status not in AMBIGUOUS:
+                if outcome.status == Reply.LATE:
                     self.book.closed_round[fragment] = (item.target_round, time.monotonic())
-                self._decide(fragment, FOLDED, outcome.status)
+                self._decide(fragment, Decision.FOLDED, outcome.status)
         # a synchronizer gone silent: folded once its round's deadline passed without a
         # record listing it (a record that lists it later moves it out again)
         for fragment in self.book.undecided_past(time.monotonic(), self.config.sync.round_deadline_s):
-            self._decide(fragment, FOLDED, self.book.in_flight[fragment].reply)
+            self._decide(fragment, Decision.FOLDED, self.book.in_flight[fragment].reply)
         self._fold_unsettled_merges()
         self.settle()
 
@@ -333,11 +331,11 @@ class Learner:
         back to the local work, to be resent to the round's re-run; were the update to
         arrive after all, the record settles it merged (`settle`)."""
         for fragment, item in list(self.book.in_flight.items()):
-            if item.reply == MERGED_REPLY and self.round_unsettled(fragment, item.target_round):
+            if item.reply == Reply.MERGED and self.round_unsettled(fragment, item.target_round):
                 log.warning("merged by a record nobody serves round=%d fragment=%d", item.target_round, fragment)
-                self._decide(fragment, FOLDED, "record unfetchable")
+                self._decide(fragment, Decision.FOLDED, "record unfetchable")
 
-    def _decide(self, fragment: int, kind: str, why: str = "", moved: bool = False) -> None:
+    def _decide(self, fragment: int, kind: Decision, why: str = "", moved: bool = False) -> None:
         """Decide the delta on its way for `fragment` (`DeltaBook.decide`) and move what
         its fate moves: progress out of the model, counters, events."""
         progress = self.book.in_flight[fragment].progress  # decide drops it
@@ -346,12 +344,12 @@ class Learner:
         if fate.move_out is not None:
             move_progress(self._params, fate.move_out, -1)
             self.trainer.params_written(list(fate.move_out))
-        if kind != MERGED:
+        if kind != Decision.MERGED:
             # what error feedback kept back of a delta nobody merged would count twice
             self.shipper.take_back(item, progress)
-        if kind == LOST:
+        if kind == Decision.LOST:
             self._report_lost(fragment, item.claim, why)
-        elif kind == MERGED:
+        elif kind == Decision.MERGED:
             self._count_merged(fragment, item, +1)
         else:
             self.on_event(
@@ -459,7 +457,7 @@ class Learner:
             merged = None
             if item is not None and item.target_round < new_round:
                 listed = self.contributors_of(fragment, item.target_round)
-                merged = item.reply == MERGED_REPLY if listed is None else self.peer_id in listed
+                merged = item.reply == Reply.MERGED if listed is None else self.peer_id in listed
                 if merged and isinstance(listed, Mapping):  # decided before the reply came
                     item.weight = float(listed[self.peer_id])
             leaving = item.progress if merged and item is not None else None
@@ -467,7 +465,7 @@ class Learner:
             self.bases[fragment] = (new_round, new_base)
             written.extend(new_base)
             if merged is not None and item is not None:
-                self._decide(fragment, MERGED if merged else FOLDED, item.reply or "not in the record", moved=True)
+                self._decide(fragment, Decision.MERGED if merged else Decision.FOLDED, item.reply or "not in the record", moved=True)
             if mode != "rebase":
                 self._report_lost(fragment, self.book.ledgers[fragment].clear(), mode)
         self.trainer.params_written(written)

@@ -26,7 +26,7 @@ from p2pdiloco.roles.replica import ReplicaSync
 from p2pdiloco.transport.base import Transport, TransportError, transfer_timeout_s
 from p2pdiloco.wire import messages
 from p2pdiloco.wire.contributions import seal_contribution
-from p2pdiloco.wire.messages import Outcome
+from p2pdiloco.wire.messages import NoAnswer, Outcome
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class LearnerLink:
         except TimeoutError:
             settled = await self._settle_by_record(fragment, target_round, "", started, len(frame), 0)
             return settled or Outcome(
-                "unreachable", target_round, fragment, reason="contribution timed out",
+                NoAnswer.UNREACHABLE, target_round, fragment, reason="contribution timed out",
                 latency_s=time.monotonic() - started,
             )
 
@@ -176,9 +176,9 @@ class LearnerLink:
                 log.warning("bad reply peer=%s reason=%r", candidate[-8:], reason)
                 continue
             status = reply.meta["status"]
-            if status == messages.BEHIND:
+            if status == messages.Reply.BEHIND:
                 continue
-            if status == messages.MOVED:
+            if status == messages.Reply.MOVED:
                 moved_to = str(reply.meta.get("moved_to", ""))
                 if moves < MAX_MOVES and moved_to and moved_to not in unreachable:
                     moves += 1
@@ -187,12 +187,12 @@ class LearnerLink:
             record = open_record(self.run, reply.meta["record"]) if "record" in reply.meta else None
             if record is not None and not self.replicas.entitlement.entitled(record):
                 record = None
-            if status in (messages.MERGED, messages.LATE):
+            if status in (messages.Reply.MERGED, messages.Reply.LATE):
                 asked = (target_round, fragment)
                 of_this_round = record is not None and (record.round, record.fragment) == asked
                 if of_this_round:
                     await self.replicas.apply_committed(record)
-                if not of_this_round or status == messages.LATE:
+                if not of_this_round or status == messages.Reply.LATE:
                     # late: the swarm is past the round, maybe by several; follow the chain
                     # to its head, not only to this round, or every next delta is late too
                     await self.replicas.sync_fragment(fragment)
@@ -203,7 +203,7 @@ class LearnerLink:
                 status, target_round, fragment, candidate, float(weight or 0.0),
                 str(reply.meta.get("reason", "")), len(frame), len(raw), time.monotonic() - started,
             )
-        return Outcome("unreachable", target_round, fragment, reason=f"tried {len(tried)} synchronizers")
+        return Outcome(NoAnswer.UNREACHABLE, target_round, fragment, reason=f"tried {len(tried)} synchronizers")
 
     def _status_by_record(self, record: RoundRecord | None, claimed: str) -> str:
         """merged when the canonical record lists this peer, late when it does not, or
@@ -214,8 +214,8 @@ class LearnerLink:
         if record is None:
             return claimed
         if self.replicas.unsettled(record):
-            return messages.LATE
-        return messages.MERGED if record.weight_of(self.transport.peer_id) is not None else messages.LATE
+            return messages.Reply.LATE
+        return messages.Reply.MERGED if record.weight_of(self.transport.peer_id) is not None else messages.Reply.LATE
 
     async def _settle_by_record(
         self, fragment: int, round_id: int, synchronizer: str, started: float, sent: int, received: int
@@ -229,7 +229,7 @@ class LearnerLink:
         if record is None or self.replicas.unsettled(record):
             return None  # not committed, or it settles nothing here: the round is still open
         await self.replicas.sync_fragment(fragment, chain)
-        status = self._status_by_record(record, messages.LATE)
+        status = self._status_by_record(record, messages.Reply.LATE)
         return Outcome(
             status, round_id, fragment, record.synchronizer or synchronizer,
             float(record.weight_of(self.transport.peer_id) or 0.0), "settled by the round record",

@@ -190,7 +190,7 @@ class UpdateServer:
         update = parse_update(request, self.limits, self.run, self.state.layouts)
         if isinstance(update, wire.Rejected):
             log.warning("refused update to hold peer=%s reason=%r", caller[-8:], update.reason)
-            return self._reply(-1, 0, messages.REJECTED, reason=update.reason)
+            return self._reply(-1, 0, messages.Reply.REJECTED, reason=update.reason)
         candidates = self.synchronizers()
         if update.synchronizer != caller:
             reason = "update names another synchronizer"
@@ -202,10 +202,10 @@ class UpdateServer:
             )
         if reason:
             log.warning("refused update to hold peer=%s reason=%r", caller[-8:], reason)
-            return self._reply(update.round, update.fragment, messages.REJECTED, reason=reason)
+            return self._reply(update.round, update.fragment, messages.Reply.REJECTED, reason=reason)
         self.store.hold(update, caller)
         receipt = sign_receipt(self.transport.identity, self.run, update.round, update.fragment, update.digest)
-        return self._reply(update.round, update.fragment, messages.HELD, digest=update.digest, receipt=receipt)
+        return self._reply(update.round, update.fragment, messages.Reply.HELD, digest=update.digest, receipt=receipt)
 
     async def rpc_get_records(self, caller: str, request: bytes) -> bytes:
         """The round records this peer holds of a fragment from a round on
@@ -215,7 +215,7 @@ class UpdateServer:
             return msg
         if not self.records_limiter.allow(caller):
             log.warning("rpc_rejected reason=rate_limited name=get_records caller=%s", caller[-8:])
-            return self._reply(msg.round, msg.fragment, messages.REJECTED, reason="get_records rate limited")
+            return self._reply(msg.round, msg.fragment, messages.Reply.REJECTED, reason="get_records rate limited")
         sealed = self.records(msg.fragment, msg.round)
         return peer_records.records_reply(self.run, msg.fragment, self.transport.peer_id, sealed)
 
@@ -223,7 +223,7 @@ class UpdateServer:
         """A valid request of `kind` for one of our fragments, or the rejection to answer."""
         msg = wire.decode_message(request, self.limits)
         if isinstance(msg, wire.Rejected) or msg.kind != kind or not 0 <= msg.fragment < self.state.num_fragments:
-            return self._reply(0, 0, messages.REJECTED, reason=f"bad {kind}")
+            return self._reply(0, 0, messages.Reply.REJECTED, reason=f"bad {kind}")
         return msg
 
     async def rpc_get_update(self, caller: str, request: bytes) -> bytes:
@@ -238,10 +238,10 @@ class UpdateServer:
             found = self.store.of_round(msg.fragment, msg.round)
             update = found[-1] if found else None
         if update is None:
-            return self._reply(msg.round, msg.fragment, messages.MISSING)
+            return self._reply(msg.round, msg.fragment, messages.Reply.MISSING)
         if not self.update_limiter.allow(caller):
             log.warning("rpc_rejected reason=rate_limited name=get_update caller=%s", caller[-8:])
-            return self._reply(msg.round, msg.fragment, messages.REJECTED, reason="get_update rate limited")
+            return self._reply(msg.round, msg.fragment, messages.Reply.REJECTED, reason="get_update rate limited")
         return update.frame
 
     async def rpc_get_state(self, caller: str, request: bytes) -> bytes:
@@ -258,10 +258,10 @@ class UpdateServer:
         fresh = cached is not None and cached.round == self.state.round_of(msg.fragment)
         if self.state_jobs >= MAX_STATE_JOBS:
             log.info("rpc_rejected reason=busy name=get_state caller=%s", caller[-8:])
-            return self._reply(0, 0, messages.REJECTED, reason="get_state busy")
+            return self._reply(0, 0, messages.Reply.REJECTED, reason="get_state busy")
         if not self.part_limiter.allow(caller) or ((part == 0 or not fresh) and not self.state_limiter.allow(caller)):
             log.warning("rpc_rejected reason=rate_limited name=get_state caller=%s", caller[-8:])
-            return self._reply(0, 0, messages.REJECTED, reason="get_state rate limited")
+            return self._reply(0, 0, messages.Reply.REJECTED, reason="get_state rate limited")
         self.state_jobs += 1
         try:
             loop = asyncio.get_running_loop()
@@ -269,7 +269,7 @@ class UpdateServer:
         finally:
             self.state_jobs -= 1
         if frame is None:
-            return self._reply(msg.round, msg.fragment, messages.REJECTED, reason=f"no part {part}")
+            return self._reply(msg.round, msg.fragment, messages.Reply.REJECTED, reason=f"no part {part}")
         return frame
 
     def _encode_state(self, fragment: int, part: int) -> bytes | None:

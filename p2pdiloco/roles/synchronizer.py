@@ -117,7 +117,7 @@ class Synchronizer:
 
         def answer_leaving(windows: list[Window]) -> None:
             for window in windows:
-                self._finish(window, self._reply(window, messages.NO_QUORUM, reason="synchronizer is leaving"))
+                self._finish(window, self._reply(window, messages.Reply.NO_QUORUM, reason="synchronizer is leaving"))
 
         answer_leaving([w for w in self.windows.values() if w.closing is None])
         closing = [w.closing for w in self.windows.values() if w.closing is not None]
@@ -143,7 +143,7 @@ class Synchronizer:
         self.on_event(
             {"event": "rejected", "peer": peer, "round": round_id, "fragment": fragment, "reason": reason}
         )
-        return messages.reply(self.run, round_id, fragment, self.peer_id, messages.REJECTED, reason=reason)
+        return messages.reply(self.run, round_id, fragment, self.peer_id, messages.Reply.REJECTED, reason=reason)
 
     def _status(self, round_id: int, fragment: int, status: str, **meta: object) -> bytes:
         return messages.reply(self.run, round_id, fragment, self.peer_id, status, **meta)
@@ -163,7 +163,7 @@ class Synchronizer:
             return check_contribution(msg, caller, self.run, self.state.rounds, self.state.layouts, sync.max_staleness_rounds)
 
         checked = check()
-        if isinstance(checked, Refused) and checked.status == messages.BEHIND and await self._caught_up(checked.fragment):
+        if isinstance(checked, Refused) and checked.status == messages.Reply.BEHIND and await self._caught_up(checked.fragment):
             checked = check()  # against the rounds the pass reached
         if isinstance(checked, Refused):
             return self._refused(checked, caller)
@@ -207,7 +207,7 @@ class Synchronizer:
         try:
             return await asyncio.wait_for(asyncio.shield(waiter), self.config.sync.round_deadline_s * 2)
         except TimeoutError:
-            return self._status(target, fragment, messages.NO_QUORUM, reason="window did not close in time")
+            return self._status(target, fragment, messages.Reply.NO_QUORUM, reason="window did not close in time")
 
     async def _caught_up(self, fragment: int) -> bool:
         """A learner is a round ahead of us: follow the chain now (one pass per fragment
@@ -230,9 +230,9 @@ class Synchronizer:
 
     def _refused(self, refused: Refused, caller: str) -> bytes:
         """The answer to a contribution `check_contribution` refused."""
-        if refused.status == messages.REJECTED:
+        if refused.status == messages.Reply.REJECTED:
             return self._reject(refused.round, refused.fragment, refused.reason, caller)
-        if refused.status == messages.LATE:
+        if refused.status == messages.Reply.LATE:
             return self._late_reply(refused.round, refused.fragment, refused.reason)
         return self._status(refused.round, refused.fragment, refused.status, reason=refused.reason)
 
@@ -257,11 +257,11 @@ class Synchronizer:
         others = named - unreachable - {self.peer_id}
         if others:
             return self._moved_reply(round_id, fragment, synchronizer_order(self.run, round_id, fragment, others)[0])
-        return self._status(round_id, fragment, messages.NO_QUORUM, reason=NOT_PROVEN)
+        return self._status(round_id, fragment, messages.Reply.NO_QUORUM, reason=NOT_PROVEN)
 
     def _moved_reply(self, round_id: int, fragment: int, moved_to: str) -> bytes:
         return self._status(
-            round_id, fragment, messages.MOVED, moved_to=moved_to,
+            round_id, fragment, messages.Reply.MOVED, moved_to=moved_to,
             reason=f"{moved_to[-8:]} is the synchronizer of this round",
         )
 
@@ -269,7 +269,7 @@ class Synchronizer:
         """LATE, with the committed record of the round when known, so the learner settles."""
         record = self.replicas.committed(fragment, round_id)
         return self._status(
-            round_id, fragment, messages.LATE, reason=reason,
+            round_id, fragment, messages.Reply.LATE, reason=reason,
             record=record.sealed if record is not None and record.sealed else None,
         )
 
@@ -286,7 +286,7 @@ class Synchronizer:
             await asyncio.wait_for(window.ended.wait(), self.config.sync.round_deadline_s * 2)
         committed = self.replicas.committed(window.fragment, window.round) is not None
         if not committed and self.state.round_of(window.fragment) == window.round:
-            return self._reply(window, messages.NO_QUORUM, reason="window closed without a commit")
+            return self._reply(window, messages.Reply.NO_QUORUM, reason="window closed without a commit")
         return self._late_reply(window.round, window.fragment, "window is closing")
 
     # --- windows ------------------------------------------------------------------------
@@ -336,7 +336,7 @@ class Synchronizer:
                     return
                 if isinstance(action, Expire):
                     log.warning("no quorum round=%d fragment=%d reason=%r", machine.round, machine.fragment, action.reason)
-                    self._finish(window, self._reply(window, messages.NO_QUORUM, reason=action.reason))
+                    self._finish(window, self._reply(window, messages.Reply.NO_QUORUM, reason=action.reason))
                     return
                 assert isinstance(action, Wait)
                 window.arrival.clear()
@@ -348,7 +348,7 @@ class Synchronizer:
             raise
         except Exception as exc:  # noqa: BLE001 - a window fault is a skipped round, not a crash
             log.exception("window failed round=%d fragment=%d", machine.round, machine.fragment)
-            self._finish(window, self._reply(window, messages.NO_QUORUM, reason=f"synchronizer fault: {exc}"))
+            self._finish(window, self._reply(window, messages.Reply.NO_QUORUM, reason=f"synchronizer fault: {exc}"))
         finally:
             window.ended.set()
 
@@ -378,16 +378,16 @@ class Synchronizer:
         screening = merged.result.screening
         for peer, reason in screening.refused.items():
             self._reject(window.round, window.fragment, reason, peer)
-            window.answer(peer, self._reply(window, messages.REJECTED, reason=reason))
+            window.answer(peer, self._reply(window, messages.Reply.REJECTED, reason=reason))
         if not merged.result.quorate:
-            self._finish(window, self._reply(window, messages.NO_QUORUM, reason="too few acceptable deltas"))
+            self._finish(window, self._reply(window, messages.Reply.NO_QUORUM, reason="too few acceptable deltas"))
             return
         if merged.update is None:
             self._finish(window, self._late_reply(window.round, window.fragment, "round closed during the merge"))
             return
         holders = await committer.hold(merged.update)
         if holders is None:
-            self._finish(window, self._reply(window, messages.NO_QUORUM, reason="too few peers held the update"))
+            self._finish(window, self._reply(window, messages.Reply.NO_QUORUM, reason="too few peers held the update"))
             return
         record = committer.record_of(window, merged, holders, grace_s)
         failure = await committer.publish(window, merged, record)
@@ -396,7 +396,7 @@ class Synchronizer:
             log.warning("%s round=%d fragment=%d: not committed", failure, window.round, window.fragment)
             late = failure == COMMITTED_ELSEWHERE
             self._finish(window, self._late_reply(window.round, window.fragment, failure) if late
-                         else self._reply(window, messages.NO_QUORUM, reason=failure))  # fmt: skip
+                         else self._reply(window, messages.Reply.NO_QUORUM, reason=failure))  # fmt: skip
             return
         await committer.install(record, merged)
         elapsed = time.monotonic() - started
@@ -404,7 +404,7 @@ class Synchronizer:
         for arrival in window.machine.arrivals.values():
             self.step_time.update(arrival.step_time_s)
         committer.report(window, merged, record, grace_s, elapsed)
-        reply = self._reply(window, messages.MERGED, digest=merged.update.digest, record=record.sealed)
+        reply = self._reply(window, messages.Reply.MERGED, digest=merged.update.digest, record=record.sealed)
         self.windows.pop(window.key, None)
         await committer.answer_first(window, reply)
         window.answer_all(reply)

@@ -59,7 +59,7 @@ from p2pdiloco.sim.common import (
 from p2pdiloco.training.data import Corpus
 from p2pdiloco.training.model import Decoder, build_model
 from p2pdiloco.training.train import InnerTrainer, evaluate, resolve_device
-from p2pdiloco.wire.messages import LATE, MERGED, NO_QUORUM, REJECTED, Outcome
+from p2pdiloco.wire.messages import Outcome, Reply
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +262,7 @@ class DecoupledSwarm:
         assert isinstance(message, wire.Message), message
         if target_round != self.chain.state.round_of(fragment):
             self.out.dropped += 1
-            self.reply(now + self.config.simulate.link_s, future, LATE, fragment, target_round)
+            self.reply(now + self.config.simulate.link_s, future, Reply.LATE, fragment, target_round)
             return
         window = self.windows.get(fragment)
         if window is None:
@@ -278,7 +278,7 @@ class DecoupledSwarm:
         )
         if refused is not None:
             self.out.dropped += 1
-            self.reply(now + self.config.simulate.link_s, future, LATE, fragment, target_round)
+            self.reply(now + self.config.simulate.link_s, future, Reply.LATE, fragment, target_round)
             return
         delta = compress.decode_tensors(message.tensors)
         staleness = target_round - meta["base_round"]
@@ -311,7 +311,7 @@ class DecoupledSwarm:
         if committed is None:
             self.out.dropped += len(window.arrivals)
             for _candidate, future in window.arrivals.values():
-                self.reply(self.now + sim.link_s, future, NO_QUORUM, fragment, window.machine.round)
+                self.reply(self.now + sim.link_s, future, Reply.NO_QUORUM, fragment, window.machine.round)
             return
         self.commit(fragment, window, committed)
 
@@ -326,10 +326,10 @@ class DecoupledSwarm:
                 self.out.merged += 1
                 self.out.merged_steps += candidate.steps
                 self.out.stale_merged += int(candidate.staleness > 0)
-                self.reply(done_at, future, MERGED, fragment, round_id)
+                self.reply(done_at, future, Reply.MERGED, fragment, round_id)
             else:
                 self.out.dropped += 1
-                self.reply(done_at, future, REJECTED, fragment, round_id)
+                self.reply(done_at, future, Reply.REJECTED, fragment, round_id)
         if fragment in self.previous:
             self.out.rho.append(cosine(update, self.previous[fragment]))
         self.previous[fragment] = {n: t.clone() for n, t in update.items()}

@@ -623,7 +623,7 @@ class Swarm:
             outcome = None
         finally:
             peer.in_flight_tokens -= tokens
-        if outcome is not None and outcome.status == messages.MERGED:
+        if outcome is not None and outcome.status == messages.Reply.MERGED:
             peer.tokens_merged += tokens
         else:  # folded into the next delta of the fragment, as the learner does
             peer.pending_tokens[fragment] = peer.pending_tokens.get(fragment, 0) + tokens

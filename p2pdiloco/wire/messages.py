@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from p2pdiloco import wire
@@ -37,17 +38,36 @@ STATE_REPLY = "state_reply"
 """peer -> joiner: parameters (`p/<name>`), momentum (`m/<name>`) and sums (`a/<name>`) of
 one fragment, in parts that fit the wire limits (`state_transfer`)."""
 
-# Reply statuses.
-MERGED = "merged"  # the delta entered this round's merge; the update is attached
-LATE = "late"  # the round had closed; its update is attached, resend to the next round
-NO_QUORUM = "no_quorum"  # the window expired before quorum: no outer step was taken
-REJECTED = "rejected"  # the delta was refused (reason attached); the peer keeps running
-BEHIND = "behind"  # the synchronizer is behind the learner's round; try the next candidate
-MOVED = "moved"  # a better-placed synchronizer is live (named in moved_to): resend there
-MISSING = "missing"  # (get_update) this peer does not keep that update
-HELD = "held"  # (hold_update) the update is kept here, to serve once its round is committed
-STATUSES = frozenset({MERGED, LATE, NO_QUORUM, REJECTED, BEHIND, MOVED, MISSING, HELD})
-"""Every status a CONTRIBUTE_REPLY may carry."""
+class Reply(StrEnum):
+    """Every status a CONTRIBUTE_REPLY may carry (a `str`: it goes on the wire as text;
+    `decode_reply` turns the text back into one of these, or refuses the frame)."""
+
+    MERGED = "merged"
+    """The delta entered this round's merge; the update is attached."""
+    LATE = "late"
+    """The round had closed; its update is attached, resend to the next round."""
+    NO_QUORUM = "no_quorum"
+    """The window expired before quorum: no outer step was taken."""
+    REJECTED = "rejected"
+    """The delta was refused (reason attached); the peer keeps running."""
+    BEHIND = "behind"
+    """The synchronizer is behind the learner's round; try the next candidate."""
+    MOVED = "moved"
+    """A better-placed synchronizer is live (named in moved_to): resend there."""
+    MISSING = "missing"
+    """(get_update) This peer does not keep that update."""
+    HELD = "held"
+    """(hold_update) The update is kept here, to serve once its round is committed."""
+
+
+class NoAnswer(StrEnum):
+    """A contribution's outcome when no synchronizer answered it: it may still be merged
+    (`protocol.deltas.AMBIGUOUS`)."""
+
+    UNREACHABLE = "unreachable"
+    """No candidate synchronizer took the call (each timed out, refused, or was away)."""
+    FAILED = "failed"
+    """Sending it raised here."""
 
 MAX_CONTRIBUTORS = 1 << 16
 """Most contributors one update or reply may list."""
@@ -91,7 +111,7 @@ def reply(
     round_id: int,
     fragment: int,
     peer: str,
-    status: str,
+    status: Reply,
     tensors: dict | None = None,
     **meta: Any,
 ) -> bytes:
@@ -146,9 +166,10 @@ def decode_reply(
         return wire.Rejected(f"expected a {CONTRIBUTE_REPLY}, got {msg.kind}")
     if run is not None and msg.run != run:
         return wire.Rejected(f"reply of another run {msg.run[:60]!r}")
-    status = msg.meta["status"]
-    if status not in STATUSES:
-        return wire.Rejected(f"unknown reply status {status[:40]!r}")
+    try:
+        msg.meta["status"] = Reply(msg.meta["status"])
+    except ValueError:
+        return wire.Rejected(f"unknown reply status {msg.meta['status'][:40]!r}")
     moved_to = msg.meta.get("moved_to")
     if moved_to is not None and not 0 < len(moved_to) <= wire.MAX_NAME_CHARS:
         return wire.Rejected("moved_to must name a peer")
@@ -163,8 +184,7 @@ def decode_reply(
 class Outcome:
     """What became of one contribution."""
 
-    status: str
-    """merged, late, no_quorum, rejected, unreachable, behind."""
+    status: Reply | NoAnswer
     round: int
     fragment: int
     synchronizer: str = ""

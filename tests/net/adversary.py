@@ -303,9 +303,9 @@ class Adversary:
                 round_id = await self._current_round()
                 for _ in range(20):  # heartbeats lag the rounds: step towards the open one
                     reply = await self._contribute(victim, self._cases(round_id)[name])
-                    if reply not in (messages.LATE, messages.BEHIND):
+                    if reply not in (messages.Reply.LATE, messages.Reply.BEHIND):
                         break
-                    round_id = max(0, round_id + (1 if reply == messages.LATE else -1))
+                    round_id = max(0, round_id + (1 if reply == messages.Reply.LATE else -1))
                 replies[name].append(reply)
         return {"replies": replies}
 
@@ -334,7 +334,7 @@ class Adversary:
             reply = messages.decode_reply(raw, wire.WireLimits())
             if (
                 not isinstance(reply, wire.Rejected)
-                and reply.meta.get("status") == messages.REJECTED
+                and reply.meta.get("status") == messages.Reply.REJECTED
             ):
                 refused += 1
         return {"requests": count, "refused": refused}

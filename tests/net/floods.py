@@ -339,6 +339,6 @@ async def hold_flood(
                 await asyncio.wait_for(puppet.shutdown(), 10)
     return {
         "identities": len(puppets), "pushed": sum(replies.values()), "replies": dict(replies.most_common(12)),
-        "held": sum(n for r, n in replies.items() if r.startswith(messages.HELD)),
+        "held": sum(n for r, n in replies.items() if r.startswith(messages.Reply.HELD)),
         "genuine": genuine, "started_at": started, "ended_at": time.time(), "duration_s": duration_s,
     }  # fmt: skip

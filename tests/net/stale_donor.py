@@ -132,13 +132,13 @@ class StaleServer:
             or msg.fragment not in self.captured
         ):
             return messages.reply(
-                self.run, 0, 0, self.peer_id, messages.REJECTED, reason="bad state_request"
+                self.run, 0, 0, self.peer_id, messages.Reply.REJECTED, reason="bad state_request"
             )
         round_id, _, frames = self.captured[msg.fragment]
         part = msg.meta.get("part", 0)
         if not isinstance(part, int) or not 0 <= part < len(frames):
             return messages.reply(
-                self.run, 0, msg.fragment, self.peer_id, messages.REJECTED, reason="no such part"
+                self.run, 0, msg.fragment, self.peer_id, messages.Reply.REJECTED, reason="no such part"
             )
         self.parts_served += 1
         if part == 0:
