@@ -18,6 +18,9 @@ from p2pdiloco.training.data import Corpus
 # xdist workers fill the cores, and oversubscribed OpenMP threads spin against each
 # other on a loaded machine (a tiny simulation took 10x longer beside a CPU hog).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every event a peer emits (here and in the processes a test starts) must match its
+# declaration in p2pdiloco/events.py: a breach raises instead of being logged once.
+os.environ["P2PDILOCO_CHECK_EVENTS"] = "1"
 torch.set_num_threads(1)
 
 # Checkpoints are on by default, in the user's data directory: a test's peers (and the

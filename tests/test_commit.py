@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from checked_events import CheckedEvents
 
 from p2pdiloco import compress, wire
 from p2pdiloco.config import RunConfig, replace
@@ -136,7 +137,7 @@ class Node:
         self.view: set[str] = set()
         self.state = fresh_state()
         self.worker = ThreadPoolExecutor(1, thread_name_prefix=f"worker-{peer_id}")
-        self.events: list[dict] = []
+        self.events: list[dict] = CheckedEvents()
         self.phases: list[tuple[str, int]] = []
         self.on_phase: dict[str, Callable[[], Awaitable[None]]] = {}
         self.notified: list[tuple[int, int, RoundRecord]] = []

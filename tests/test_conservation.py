@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from checked_events import CheckedEvents
 from torch import nn
 
 from p2pdiloco import compress, wire
@@ -113,7 +114,7 @@ class Peer:
         trainer = CountingTrainer()
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         self.state = GlobalState(params, [["b", "w"]], config.outer)
-        self.events: list[dict] = []
+        self.events: list[dict] = CheckedEvents()
         self.replicas = ReplicaSync(
             self.transport, RUN, self.state, self.members, LIMITS, self.worker,
             void_after_s=config.sync.round_deadline_s, on_event=self.events.append,

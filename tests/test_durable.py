@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checked_events import CheckedEvents
 
 from p2pdiloco import compress, wire
 from p2pdiloco.config import PeerConfig, load_config
@@ -55,7 +56,7 @@ class Peer:
 
     def __init__(self, network: MemoryNetwork, directory: Path) -> None:
         self.transport = MemoryTransport(network)
-        self.events: list[dict] = []
+        self.events: list[dict] = CheckedEvents()
         self.state = fresh_state()
         self.replicas = ReplicaSync(
             self.transport,

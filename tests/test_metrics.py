@@ -237,8 +237,9 @@ def test_event_sink_feeds_listeners_even_when_not_printing() -> None:
 
     sink = EventSink(enabled=False)
     sink.listeners += [broken, seen.append]
-    sink({"event": "step", "step": 10})  # the broken listener does not stop the next one
-    assert seen == [{"event": "step", "step": 10}]
+    step = {"event": "step", "step": 10, "loss": 2.5, "rounds": [1]}
+    sink(step)  # the broken listener does not stop the next one
+    assert seen == [step]
 
 
 def scrape(port: int) -> str:

@@ -11,6 +11,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from checked_events import CheckedEvents
 
 from p2pdiloco import compress, wire
 from p2pdiloco.config import RunConfig, replace
@@ -41,7 +42,7 @@ class Peer:
     def __init__(self, network: MemoryNetwork, peer_id: str) -> None:
         self.transport = MemoryTransport(network, peer_id)
         self.view: dict[str, Heartbeat] = {}
-        self.events: list[dict] = []
+        self.events: list[dict] = CheckedEvents()
         self.opened = asyncio.Event()
         self.state = fresh_state()
         self.worker = ThreadPoolExecutor(max_workers=1)
