@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -113,3 +114,16 @@ def test_no_module_or_class_defines_a_function_twice() -> None:
     }
     assert {path: names for path, names in found.items() if names} == {}
     assert defined_twice("class A:\n def f(self): pass\n def f(self): pass\n") == ["f"]
+
+
+def test_the_package_says_what_and_why_not_which_issue() -> None:
+    """A docstring or comment says what the code does and why, once; the history of how it
+    came to be (issue numbers, which session found what) lives in docs/ and git."""
+    cited = re.compile(r"\b(issue|stop) \d+\b", re.IGNORECASE)
+    found = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in sorted((ROOT / "p2pdiloco").rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if cited.search(line)
+    ]
+    assert not found, found

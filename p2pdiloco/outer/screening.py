@@ -303,7 +303,7 @@ def history_norms(merged_norms: Sequence[float], clip_norm: float, clip_factor: 
 
     A record's norms become the reference of the next windows (`clip_threshold`). Listed
     as merged, a delta at the clip enters at `clip_factor` times the reference, and a
-    learner alone in each window (K = 1, no grace: issue 28, 6) lifts the clip about
+    learner alone in each window (K = 1, no grace) lifts the clip about
     1.5x a round (3 to 5,877 in 20 rounds). So each listed norm is at most the reference
     this window was screened against (`clip_norm / clip_factor`): a lone delta can keep
     or lower the reference, never lift it; with two or more kept deltas at most
@@ -594,7 +594,7 @@ def _bound_norms(
     scales = [0.0] * len(candidates)
     for i in alive:
         # a delta carrying more work has a larger norm: the bounds grow with it (folded
-        # deltas carry every step since their learner's last merge, issue 26)
+        # deltas carry every step since their learner's last merge)
         own_refuse = refuse * work_ratio(candidates[i].tokens, reference, MAX_WORK_RATIO)
         if norms[i] > own_refuse:
             reasons[i] = (

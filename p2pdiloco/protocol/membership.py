@@ -435,7 +435,7 @@ def synchronizer_candidates(
     With `settled` (a sharded membership, `Membership.settled`): only those whose beat
     every peer has read by now. A peer that joined within the last rotation is in some
     views and not in others: elected by some, it made rival records for its round
-    (issue 29, N = 1,000). While none is settled (a swarm's first rotation, or one whose
+    (seen at N = 1,000). While none is settled (a swarm's first rotation, or one whose
     settled peers all left), only the oldest: the one peer every view holds, since each
     later joiner's first beat read every shard after it joined. It is also the first to
     settle, so the views that cross the settle line first still agree with the others."""

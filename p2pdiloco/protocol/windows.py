@@ -60,7 +60,7 @@ def overlap_steps_of(overlap_steps: int, inner_steps: int, on_receive: str) -> i
     `overlap_steps` if larger). With `overwrite`/`mix` the steps taken while waiting are
     thrown away, so only the configured tau is free. Before (tau = 2 for every mode) the
     slack was negative whenever a commit took longer than two steps: grace was always 0
-    and with K < N half the deltas were late by construction (issue 26).
+    and with K < N half the deltas were late by construction.
     """
     if on_receive == "rebase":
         return max(overlap_steps, inner_steps)

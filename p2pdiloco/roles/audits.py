@@ -146,8 +146,8 @@ class Audits:
 
     def must_verify(self, record: RoundRecord, norm: float) -> bool:
         """An out-of-line update of another synchronizer, on a peer that audits: held until
-        an audit says OK (issue 28, item 7: it was applied when the synchronizer refused
-        `get_contributions`, so a lie big enough to hurt was applied by refusing audits)."""
+        an audit says OK (applied unaudited when the synchronizer refuses
+        `get_contributions`, a lie big enough to hurt would pass by refusing audits)."""
         if self.auditor is None or record.synchronizer == self.transport.peer_id:
             return False
         return self.out_of_line(record, norm)
@@ -286,7 +286,7 @@ class Audits:
         A notice is a claim anyone can sign, and verifying one may download a whole
         fragment from its notifier; every peer used to do it for each new notice, on
         every sync pass, so a hundred identities made every peer download a hundred
-        fragments (issue 28, item 11). Now the notices are read at most every
+        fragments. Now the notices are read at most every
         `NOTICE_READ_INTERVAL_S`; a notice counts only from a live learner, within
         its notifier's rate (`NOTICES_PER_NOTIFIER_PER_S`), for the record this replica
         follows; each record is verified once (OK or mismatch: never again), tried at most

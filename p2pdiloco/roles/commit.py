@@ -68,8 +68,7 @@ BACKGROUND_PUSHES = 2
 """Pushes to further learners at once, after the commit holders acked: each one shares
 the synchronizer's uplink with the rest."""
 MORE_PUSHES = 8
-"""Learners the synchronizer pushes the committed update to beyond its holders (issue 29,
-item 3). The rest fetch it from the peers that hold it (`ReplicaSync._fetch_order`, each
+"""Learners the synchronizer pushes the committed update to beyond its holders. The rest fetch it from the peers that hold it (`ReplicaSync._fetch_order`, each
 fetcher in an order of its own), so what a synchronizer uploads per round is bounded by
 (holders + this) frames, not one frame per peer of the swarm."""
 
@@ -130,7 +129,7 @@ def holder_order(
     leaving): a holder nobody can dial holds nothing for the run. The order was the
     contributors' by peer id, so the lowest id was the sole holder of every round it
     contributed to, and an identity ground to a low id could hold (and withhold) every
-    update (issue 28, item 10); by hash, it is first in about one round in N.
+    update; by hash, it is first in about one round in N.
     """
     reachable = {
         p for p, b in members.items()
@@ -179,7 +178,7 @@ class Committer:
         """Signed contributions of the rounds this peer committed, served to auditors."""
         self.audit_limiter = RateLimiter(rate_per_s=state.num_fragments, burst=4 * state.num_fragments + 4)
         """Contribution lists served per caller: an auditor asks once per audited round
-        (at most one a fragment a second, sustained); a flood is refused (issue 28, 14)."""
+        (at most one a fragment a second, sustained); a flood is refused."""
         self.sync_time = RunningMean()
         self.tasks: set[asyncio.Task] = set()
         """Background pushes still running after their commit."""

@@ -1,4 +1,4 @@
-"""Round records read from a peer instead of the DHT key (issue 29, N = 1,000).
+"""Round records read from a peer instead of the DHT key (a swarm of N = 1,000).
 
 With record epochs (`network.record_epoch_rounds`), every replica read its epoch's key
 each sync pass: at N = 1,000 that is 500 reads a second on the five peers that store one

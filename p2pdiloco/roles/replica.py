@@ -7,7 +7,7 @@ record's holders, its synchronizer or any live peer; decoded once, applied throu
 state download when this replica sits on a losing branch or is too far behind. Learners
 hear of each round it passed through `on_settled`, with the canonical record.
 
-No decision that forks is taken here from local timing alone (issue 28): an update nobody
+No decision that forks is taken here from local timing alone: an update nobody
 serves is never voided locally. The fetch rotates through every peer that may hold it;
 a replica that still cannot get it downloads a state at the chain's head instead; and
 only when that fails for `void_after_s` may this peer, as the round's synchronizer, re-run
@@ -654,7 +654,7 @@ class ReplicaSync:
 
         Each fetcher starts at a different peer that has the frame (rendezvous hash over
         this peer's id), and more peers have it as the round spreads, so serving a round
-        to N peers costs no single peer N frames (issue 29, item 3). The synchronizer,
+        to N peers costs no single peer N frames. The synchronizer,
         which pushed it to its holders and a few more (`commit.MORE_PUSHES`), is asked
         only after them."""
         me, members = self.transport.peer_id, self.members()

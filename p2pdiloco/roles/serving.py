@@ -8,7 +8,7 @@ fragment's whole state in parts, for joiners and repairing peers.
 - `get_update`: a kept frame, byte for byte, by digest (or the latest of a round);
 - `get_state`: one part of a fragment's state, all parts of a download from one snapshot.
 
-Every reader is a stranger (issue 28, item 14): `get_state` parts and `get_update` frames
+Every reader is a stranger: `get_state` parts and `get_update` frames
 are rate-limited per caller (a token bucket each), and a state part is copied and encoded
 on a thread of its own, at most `MAX_STATE_JOBS` at once (past that: refused, "busy"),
 never on the worker that merges and applies, so a reader cannot delay a round.
@@ -72,7 +72,7 @@ def hold_refusal(
     """Why a `hold_update` from `caller` for (round, fragment) is refused ("": held).
 
     Only the round's synchronizer pushes its update before committing, so only a peer the
-    election could have picked for a round near ours (issue 28, item 10): among the first
+    election could have picked for a round near ours: among the first
     `HOLD_FAILOVER_DEPTH` of `synchronizer_order` over the candidates this peer sees plus
     the caller (a synchronizer missing from our view is ranked as if it were in it). Any
     identity used to be held, and a flood evicted genuine frames.

@@ -15,8 +15,8 @@ runs the swarm's own code for everything but the network:
   outer codec) through `common.CanonicalChain`, as in the lockstep simulator, applied
   with `GlobalState.apply_update` to every replica.
 
-So a loss of computed steps in the learner shows in the simulator too (issue 26: the
-previous simulator resent late deltas to the next round, which the learner did not do).
+So a loss of computed steps in the learner shows in the simulator too (a simulator that
+resent late deltas to the next round, which the learner does not do, would hide it).
 Deterministic from `train.seed` and `simulate.seed`. What it leaves out, on purpose:
 failover, commit and rival records (a round either closes or not), bandwidth (a fixed
 `link_s` each way, `sync_s` to merge).

@@ -73,8 +73,8 @@ class Population:
     churn: bool = True
     public_link_mbit: float | None = None
     """Set: every public peer (the synchronizer, holder and donor candidates) gets a
-    symmetric link of this many Mbit/s instead of a home link (issue 29, item 3 asks
-    that a synchronizer on a 100 Mbit/s link not be a round's bottleneck)."""
+    symmetric link of this many Mbit/s instead of a home link (to check that a
+    synchronizer on a 100 Mbit/s link is not a round's bottleneck)."""
 
     def draw(self, rng: random.Random) -> Link:
         """One volunteer's link and machine."""
@@ -118,7 +118,7 @@ class StepTrace:
     with other work a learner's speed comes in bursts, and a round closes when its quorum
     of learners gets there, so the pace of rounds follows the learners that were fast at
     that moment; with every learner at its mean, the simulator closed rounds 12-14 % slower
-    than the real swarm on a CI worker (issue 42's CI run)."""
+    than the real swarm on a CI worker."""
 
     points: tuple[tuple[float, int], ...]
 

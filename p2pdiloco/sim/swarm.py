@@ -396,7 +396,7 @@ class SwarmFigures:
     synchronizer_bytes_per_window: dict[str, float] = dataclasses.field(default_factory=dict)
     """Payload bytes a synchronizer moved (deltas received, updates sent: pushes and
     fetches it served) per window it closed in the span, at the simulated preset's size
-    (`PresetBytes`): p50 and max over the peers that closed one (issue 29, item 3)."""
+    (`PresetBytes`): p50 and max over the peers that closed one."""
     windows: int = 0
     """Windows opened in the span that the chain committed."""
     busiest_link_use: dict[str, float] = dataclasses.field(default_factory=dict)

@@ -15,7 +15,7 @@ an overall deadline), and the protocol below runs unchanged on either.
 The receiver holds a stranger to a `Pace`: the request header within `grace_s`, then the
 body on schedule (on average at least `min_bytes_per_s` since the grace ended), and the
 response written within the same budget. An idle timeout alone let a caller hold a
-handler slot for ever by trickling one byte every 50 s (issue 28, item 2). The pace
+handler slot for ever by trickling one byte every 50 s. The pace
 bounds one stream's life, not a crowd of free identities that open theirs again at once
 to keep every slot full: a full handler is therefore shared fairly (`ConcurrencyLimit.
 admit`), a newcomer taking over the slot of a body being read for the caller reading

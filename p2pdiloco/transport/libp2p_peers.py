@@ -19,8 +19,8 @@ is forgotten.
 A forgotten peer (or a candidate whose probe failed) is quarantined: for a while (doubling
 with each failure, capped) nobody can make us learn it again, neither by naming it nor by
 calling us; after that, a peer that failed before counts again only once it answered a
-probe (issue 28, item 9: an unreachable peer re-learned without a probe cost every get a
-dead replica, for ever).
+probe (an unreachable peer re-learned without a probe would cost every get a dead
+replica, for ever).
 """
 
 from __future__ import annotations

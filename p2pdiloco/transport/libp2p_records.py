@@ -15,7 +15,7 @@ Records outlive their first replicas: a peer republishes the live records it sto
 itself every `REPUBLISH_S` to the peers closest to their keys *now*, so peers that joined
 closer since then hold them and peers that left take nothing with them.
 
-A replica is a stranger (issue 28, item 9): its answer is checked record by record before
+A replica is a stranger: its answer is checked record by record before
 it is merged with the others, so junk with a far expiration cannot out-rank, and so hide,
 an honest record; and every replica has its own deadline, well under the get's or store's
 (which then answers with what arrived), so one silent replica cannot make it return

@@ -5,7 +5,7 @@ network. `RateLimiter` bounds how much a peer may ask for over time (a small `ge
 request costs its donor ~8 bytes a parameter); `ConcurrencyLimit` bounds how many
 requests a handler runs at once, in all and per caller, so a flood is refused at the
 door instead of queued without end, and shares a full handler fairly: a caller with
-fewer bodies being read takes over a slot of the caller with the most (issue 28, item 2).
+fewer bodies being read takes over a slot of the caller with the most.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class ConcurrencyLimit:
     `max_in_flight`: a caller with nothing in flight is forgotten.
 
     A stream server uses `admit` / `body_read` / `give_back` instead, which add fair
-    sharing of a full handler (issue 28, item 2): the pace drops one slow body, but free
+    sharing of a full handler: the pace drops one slow body, but free
     identities that open a slow stream again at once keep every slot full, and a
     newcomer is refused for ever. So when the handler is full, a caller reading fewer
     bodies than some other caller by two or more takes over one of that caller's slots

@@ -80,7 +80,7 @@ def audit_round(
     """Recompute `record`'s merge from `contributions` on `snapshot` (the parent state)."""
     if record.history_from < 0 and history_of(chain, record.round, rules.history_rounds)[1] >= 0:
         # "no history" lifts the clip to the window's or the parameters' bound: a record
-        # may say so only where the chain lacks those rounds (issue 28, item 7). Not a
+        # may say so only where the chain lacks those rounds. Not a
         # proof (the synchronizer may have read a partial chain): an out-of-line update
         # that cannot be verified is held, not applied.
         return AuditResult(UNVERIFIABLE, "the record claims no history but the chain holds it")

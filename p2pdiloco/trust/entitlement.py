@@ -51,7 +51,7 @@ class Entitlement:
 
     def distrust(self, synchronizer: str, for_s: float) -> None:
         """Do not elect `synchronizer` for `for_s` seconds: it did not let this peer
-        verify an update it must verify (issue 28, item 7)."""
+        verify an update it must verify."""
         if len(self.distrusted) >= MAX_VERDICTS:
             self.distrusted.clear()
         self.distrusted[synchronizer] = self.now() + for_s
