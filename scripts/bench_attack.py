@@ -52,7 +52,7 @@ from p2pdiloco import compress, wire  # noqa: E402
 from p2pdiloco.config import load_config, replace  # noqa: E402
 from p2pdiloco.identity import Identity  # noqa: E402
 from p2pdiloco.outer import screening  # noqa: E402
-from p2pdiloco.outer.fragment import outer_update  # noqa: E402
+from p2pdiloco.outer.fragment_state import outer_update  # noqa: E402
 from p2pdiloco.outer.step import Params, pseudo_gradient, tensor_norm  # noqa: E402
 from p2pdiloco.protocol.merge import max_tokens_per_step, merge_round  # noqa: E402
 from p2pdiloco.protocol.rounds import RoundRecord, open_record, seal_record  # noqa: E402

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 from test_commit import Cluster, poll, scenario
 
-from p2pdiloco.outer import fragment as fragment_module
+from p2pdiloco.outer import fragment_state as fragment_module
 from p2pdiloco.wire import messages
 from p2pdiloco.wire.updates import Update
 

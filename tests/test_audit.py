@@ -15,7 +15,7 @@ import dataclasses
 from test_commit import CONFIG, LIMITS, RUN, Cluster, Node, scenario
 
 from p2pdiloco import compress
-from p2pdiloco.outer.fragment import outer_update
+from p2pdiloco.outer.fragment_state import outer_update
 from p2pdiloco.outer.step import tensor_norm
 from p2pdiloco.protocol.election import synchronizer_order
 from p2pdiloco.trust.audit import (
@@ -302,7 +302,7 @@ def test_a_record_claiming_no_history_where_the_chain_holds_it_is_unverifiable()
 
 
 def test_the_sampling_rate_does_not_divide_by_what_the_synchronizer_lists() -> None:
-    from p2pdiloco.roles.audits import sampling_divisor
+    from p2pdiloco.roles.audit_gate import sampling_divisor
 
     assert sampling_divisor(1000, 4) == 4  # a record listing 1000 contributions: 4 live learners
     assert sampling_divisor(2, 10) == 2

@@ -30,7 +30,7 @@ from p2pdiloco.compress import (
 )
 from p2pdiloco.compress import zstd as zstd_stage
 from p2pdiloco.compress.topk import _TopkCodec
-from p2pdiloco.protocol.windows import RunningMean, Wait, WindowMachine, grace_window_s
+from p2pdiloco.protocol.window_rules import RunningMean, Wait, WindowMachine, grace_window_s
 from p2pdiloco.wire import messages, updates
 
 LIMITS = wire.WireLimits()

@@ -23,7 +23,7 @@ import torch
 
 from p2pdiloco.compress import decode_tensor, make_codec
 from p2pdiloco.config import OuterConfig
-from p2pdiloco.outer.fragment import FragmentState, hash_tensors
+from p2pdiloco.outer.fragment_state import FragmentState, hash_tensors
 from p2pdiloco.outer.step import (
     SUM_BLOCK,
     OuterState,

@@ -224,7 +224,7 @@ def test_a_sparse2_outer_update_is_the_same_tensor_on_every_replica(rule: str) -
     """The union of K sparse2 deltas, encoded again with the outer k (`outer_sparse_k`,
     K x k: all of it): an auditor's re-merge gives the same bytes, and the bytes as they
     arrive decode to the tensor the synchronizer applied, on every replica."""
-    from p2pdiloco.outer.fragment import hash_tensors
+    from p2pdiloco.outer.fragment_state import hash_tensors
 
     config = CompressConfig(outer_codec="sparse2", sparse_chunk=SPARSE["sparse_chunk"], outer_sparse_k=16)
     outer_codec = compress.make_codec_from_config(config, outer=True)

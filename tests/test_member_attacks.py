@@ -17,7 +17,7 @@ from p2pdiloco.protocol.membership import (
     synchronizer_candidates,
 )
 from p2pdiloco.protocol.rounds import RoundRecord, record_subkey, rounds_key, seal_record
-from p2pdiloco.roles.members import Membership
+from p2pdiloco.roles.presence import Membership
 from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
 from p2pdiloco.transport.records import RecordTable
 from p2pdiloco.trust import admission as admission_module

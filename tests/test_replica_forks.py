@@ -23,7 +23,7 @@ import torch
 from p2pdiloco import compress, wire
 from p2pdiloco.config import OuterConfig
 from p2pdiloco.identity import Identity
-from p2pdiloco.outer.fragment import outer_update
+from p2pdiloco.outer.fragment_state import outer_update
 from p2pdiloco.outer.step import tensor_norm
 from p2pdiloco.protocol.election import synchronizer_order
 from p2pdiloco.protocol.membership import Heartbeat

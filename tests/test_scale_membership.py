@@ -29,7 +29,7 @@ from p2pdiloco.protocol.rounds import (
     rounds_key,
     seal_record,
 )
-from p2pdiloco.roles.members import Membership, read_members
+from p2pdiloco.roles.presence import Membership, read_members
 from p2pdiloco.roles.replica import ReplicaSync
 from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.sim.links import LOOPBACK

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from p2pdiloco.config import OuterConfig
-from p2pdiloco.outer.fragment import outer_update
+from p2pdiloco.outer.fragment_state import outer_update
 from p2pdiloco.roles.state import GlobalState
 
 

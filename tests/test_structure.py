@@ -127,3 +127,19 @@ def test_the_package_says_what_and_why_not_which_issue() -> None:
         if cited.search(line)
     ]
     assert not found, found
+
+
+def test_no_module_name_repeats_across_folders() -> None:
+    """Near-twin names across floors (`windows` / `window`, `audit` / `audits`) made a
+    reader open the wrong file: a module's name is its own, whatever the folder. `base`
+    (a folder's abstract interface) is the one name each folder may have."""
+    folders_of: dict[str, set[str]] = {}
+    for path in (ROOT / "p2pdiloco").rglob("*.py"):
+        if path.stem not in ("__init__", "__main__", "base"):
+            folders_of.setdefault(path.stem, set()).add(path.parent.name)
+    twins = [
+        (stem, sorted(folders))
+        for stem, folders in folders_of.items()
+        if len(folders) > 1 or folders_of.get(stem + "s", folders) - folders
+    ]
+    assert not twins, twins

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from proptest import examples
 
-from p2pdiloco.protocol.windows import RECHECK_S, Close, Expire, Move, Wait, WindowMachine
+from p2pdiloco.protocol.window_rules import RECHECK_S, Close, Expire, Move, Wait, WindowMachine
 
 OPENED = 100.0
 DEADLINE_S = 30.0

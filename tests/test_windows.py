@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2pdiloco.protocol.windows import (
+from p2pdiloco.protocol.window_rules import (
     RunningMean,
     clamp_tokens,
     grace_window_s,

@@ -31,7 +31,7 @@ from p2pdiloco.cli.snapshot import HISTORY_ROUNDS, SwarmSnapshot
 from p2pdiloco.config import PeerConfig
 from p2pdiloco.protocol.membership import Heartbeat, live_members
 from p2pdiloco.protocol.rounds import RoundRecord, open_record, rank, rounds_key
-from p2pdiloco.roles.members import read_members
+from p2pdiloco.roles.presence import read_members
 from p2pdiloco.trust.admission import Admission
 
 __all__ = [

@@ -33,7 +33,7 @@ from p2pdiloco.peer.metrics import Totals
 from p2pdiloco.protocol.membership import BeatTally, Heartbeat
 from p2pdiloco.roles.learner import Learner
 from p2pdiloco.roles.learner_link import LearnerLink, Outcome
-from p2pdiloco.roles.members import Membership
+from p2pdiloco.roles.presence import Membership
 from p2pdiloco.roles.replica import ReplicaSync
 from p2pdiloco.roles.synchronizer import Synchronizer
 from p2pdiloco.training.ranks import RankGroup

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from p2pdiloco import wire
-from p2pdiloco.outer.fragment import FragmentState
+from p2pdiloco.outer.fragment_state import FragmentState
 from p2pdiloco.peer.checkpoint import Unreadable, atomic_save, read_saved, remove_stale_temp_files
 from p2pdiloco.protocol.rounds import RoundRecord, open_record
 from p2pdiloco.roles.state import GlobalState

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from p2pdiloco import wire
-from p2pdiloco.protocol.windows import staleness_rejection
+from p2pdiloco.protocol.window_rules import staleness_rejection
 from p2pdiloco.wire import messages
 
 MAX_UNREACHABLE = 64
@@ -55,7 +55,7 @@ def unreachable_peers(meta: dict) -> frozenset[str]:
     return frozenset(p for p in listed[:MAX_UNREACHABLE] if isinstance(p, str))
 
 
-def check_layout(fragment: int, msg: wire.Message, layout: dict[str, tuple[int, ...]]) -> str | None:
+def layout_problem(fragment: int, msg: wire.Message, layout: dict[str, tuple[int, ...]]) -> str | None:
     """Why the message's tensors are not exactly the fragment's, or None."""
     if set(msg.tensors) != set(layout):
         return f"delta tensors do not match fragment {fragment}"
@@ -95,7 +95,7 @@ def check_contribution(
     if not isinstance(step_time_s, int | float) or not math.isfinite(step_time_s) or step_time_s < 0:
         return Refused(messages.Reply.REJECTED, "step_time_s must be a finite number >= 0", target, fragment)
     base_round = int(msg.meta["base_round"])
-    reason = staleness_rejection(base_round, current, max_staleness_rounds) or check_layout(
+    reason = staleness_rejection(base_round, current, max_staleness_rounds) or layout_problem(
         fragment, msg, layouts[fragment]
     )
     if reason:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from p2pdiloco import compress, wire
 from p2pdiloco.config import RunConfig
-from p2pdiloco.outer.fragment import FragmentState, outer_update
+from p2pdiloco.outer.fragment_state import FragmentState, outer_update
 from p2pdiloco.outer.screening import ScreeningRules
 from p2pdiloco.outer.step import tensor_norm
 from p2pdiloco.protocol.election import rendezvous_order
@@ -44,7 +44,7 @@ from p2pdiloco.protocol.rounds import (
     skipped_on_chain,
     standing_key,
 )
-from p2pdiloco.protocol.windows import RunningMean
+from p2pdiloco.protocol.window_rules import RunningMean
 from p2pdiloco.roles.replica import ReplicaSync
 from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.roles.window import Window

@@ -23,7 +23,7 @@ from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 
 from p2pdiloco import wire
-from p2pdiloco.outer.fragment import FragmentState
+from p2pdiloco.outer.fragment_state import FragmentState
 from p2pdiloco.protocol.membership import Heartbeat
 from p2pdiloco.protocol.rounds import RoundRecord
 from p2pdiloco.roles.state import GlobalState

@@ -31,7 +31,7 @@ from p2pdiloco.config import RunConfig
 from p2pdiloco.protocol.fragments import partition_fragments
 from p2pdiloco.protocol.membership import Heartbeat, live_members
 from p2pdiloco.protocol.rounds import RoundRecord
-from p2pdiloco.roles.members import read_members
+from p2pdiloco.roles.presence import read_members
 from p2pdiloco.roles.replica import ReplicaSync
 from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.training.model import build_model

@@ -3,7 +3,7 @@
 `sync_fragment` reads the fragment's round records, picks the canonical chain
 (`rounds.canonical_chain`), applies its updates in order (fetched by digest from the
 record's holders, its synchronizer or any live peer; decoded once, applied through
-`outer.fragment.outer_update`, checked against the record's signed hash), and repairs by
+`outer.fragment_state.outer_update`, checked against the record's signed hash), and repairs by
 state download when this replica sits on a losing branch or is too far behind. Learners
 hear of each round it passed through `on_settled`, with the canonical record.
 
@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from p2pdiloco import wire
-from p2pdiloco.outer.fragment import FragmentState, outer_update
+from p2pdiloco.outer.fragment_state import FragmentState, outer_update
 from p2pdiloco.outer.step import tensor_norm
 from p2pdiloco.protocol.election import rendezvous_order
 from p2pdiloco.protocol.membership import Heartbeat, learners, past_round, synchronizer_candidates
@@ -51,7 +51,7 @@ from p2pdiloco.protocol.rounds import (
     superseded_digests,
 )
 from p2pdiloco.roles import peer_records
-from p2pdiloco.roles.audits import Audits
+from p2pdiloco.roles.audit_gate import Audits
 from p2pdiloco.roles.download import StateDownload, span_of, vouched_by_signers
 from p2pdiloco.roles.serving import UpdateServer
 from p2pdiloco.roles.state import GlobalState

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from p2pdiloco import wire
-from p2pdiloco.outer.fragment import FragmentState
+from p2pdiloco.outer.fragment_state import FragmentState
 from p2pdiloco.protocol.election import synchronizer_order
 from p2pdiloco.protocol.rounds import sign_receipt
 from p2pdiloco.roles import peer_records

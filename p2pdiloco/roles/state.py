@@ -8,7 +8,7 @@ every CPU kernel set: docs/arithmetic.md). Each fragment has a hash over its par
 momentum and delayed-Nesterov accumulators, published in round records so a diverged
 replica notices.
 
-The step itself is `outer.fragment.outer_update` (pure); a replica adds what only a
+The step itself is `outer.fragment_state.outer_update` (pure); a replica adds what only a
 replica has: a lock (the learner thread and the network thread share it), the hash after
 every round it applied (so a parent is never hashed again), and listeners.
 """
@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from p2pdiloco.config import OuterConfig
-from p2pdiloco.outer.fragment import (
+from p2pdiloco.outer.fragment_state import (
     FragmentState,
     Layout,
     check_fragment_state,

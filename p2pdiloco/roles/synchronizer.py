@@ -23,7 +23,7 @@ from p2pdiloco.outer.screening import Candidate, ScreeningRules
 from p2pdiloco.protocol.election import synchronizer_order
 from p2pdiloco.protocol.intake import Accepted, Refused, check_contribution
 from p2pdiloco.protocol.membership import Heartbeat, learners
-from p2pdiloco.protocol.windows import (
+from p2pdiloco.protocol.window_rules import (
     Close,
     Expire,
     Move,

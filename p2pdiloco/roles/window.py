@@ -1,5 +1,5 @@
 """One open (round, fragment) at its synchronizer: the pure machine that decides when it
-closes (`protocol.windows.WindowMachine`), the decoded deltas it collected with their
+closes (`protocol.window_rules.WindowMachine`), the decoded deltas it collected with their
 signed claims, and the learners waiting for the answer."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from p2pdiloco.outer.screening import Candidate
-from p2pdiloco.protocol.windows import WindowMachine
+from p2pdiloco.protocol.window_rules import WindowMachine
 
 
 @dataclass

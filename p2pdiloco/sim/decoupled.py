@@ -40,7 +40,7 @@ from p2pdiloco import compress, wire
 from p2pdiloco.config import RunConfig
 from p2pdiloco.outer.screening import Candidate, dot
 from p2pdiloco.outer.step import Params, tensor_norm
-from p2pdiloco.protocol.windows import Close, Wait, WindowMachine, overlap_steps_of
+from p2pdiloco.protocol.window_rules import Close, Wait, WindowMachine, overlap_steps_of
 from p2pdiloco.roles.learner import Learner
 from p2pdiloco.sim.common import (
     SYNCHRONIZER,

@@ -49,7 +49,7 @@ from p2pdiloco.protocol import membership, rounds
 from p2pdiloco.protocol.membership import Heartbeat
 from p2pdiloco.roles import commit, download, learner_link, replica
 from p2pdiloco.roles.learner_link import LearnerLink
-from p2pdiloco.roles.members import Membership
+from p2pdiloco.roles.presence import Membership
 from p2pdiloco.roles.replica import ReplicaSync
 from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.roles.synchronizer import Synchronizer

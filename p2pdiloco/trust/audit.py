@@ -22,7 +22,7 @@ import msgpack
 from p2pdiloco import compress, wire
 from p2pdiloco.config import RunConfig
 from p2pdiloco.identity import Identity, SignedKind, is_peer_id
-from p2pdiloco.outer.fragment import FragmentState, outer_update
+from p2pdiloco.outer.fragment_state import FragmentState, outer_update
 from p2pdiloco.outer.screening import Candidate, ScreeningRules
 from p2pdiloco.protocol.merge import history_from, history_of, max_tokens_per_step, merge_round
 from p2pdiloco.protocol.rounds import RoundRecord

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from p2pdiloco import compress, wire
-from p2pdiloco.outer.fragment import FragmentState
+from p2pdiloco.outer.fragment_state import FragmentState
 from p2pdiloco.wire import messages
 
 MAX_STATE_PARTS = 4096

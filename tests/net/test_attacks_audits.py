@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from p2pdiloco.roles.audits import (
+from p2pdiloco.roles.audit_gate import (
     MAX_TRIES_PER_RECORD,
     MAX_VERIFICATIONS_PER_READ,
     NOTICE_READ_INTERVAL_S,

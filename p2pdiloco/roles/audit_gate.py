@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from p2pdiloco import wire
-from p2pdiloco.outer.fragment import FragmentState
+from p2pdiloco.outer.fragment_state import FragmentState
 from p2pdiloco.protocol.rounds import RoundRecord
 from p2pdiloco.roles.download import StateDownload
 from p2pdiloco.roles.state import GlobalState
