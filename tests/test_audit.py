@@ -18,6 +18,7 @@ from p2pdiloco import compress
 from p2pdiloco.outer.fragment_state import outer_update
 from p2pdiloco.outer.step import tensor_norm
 from p2pdiloco.protocol.election import synchronizer_order
+from p2pdiloco.roles.audit_gate import Gate
 from p2pdiloco.trust.audit import (
     MISMATCH,
     NOTICE_TTL_S,
@@ -207,6 +208,36 @@ def test_a_merge_of_fewer_contributions_than_the_quorum_is_a_mismatch() -> None:
             assert result.verdict == verdict, result
             if verdict == MISMATCH:
                 assert "quorum (3)" in result.reason
+
+    scenario(3, body)
+
+
+def test_the_audit_gate_says_apply_convicted_or_moved_in_one_call() -> None:
+    """`Audits.judge` is the one question the replica asks before applying: with every
+    peer auditing, an honest record on its parent state is APPLY, the same record with its
+    result forged is CONVICTED (with the reason), and one whose parent this replica has
+    already moved past is MOVED (a local race: no audit, no distrust)."""
+
+    async def body(cluster: Cluster) -> None:
+        _, learners = roles(cluster, 0)
+        parent = learners[0].state.export_fragment(0)
+        await honest_round_zero(cluster)
+        record = learners[0].replicas.committed(0, 0)
+        auditing(learners[0], ALWAYS)
+        gate = learners[0].replicas.audits
+        chain = learners[0].replicas.chains[0]
+
+        async def state_of(snapshot):
+            return snapshot
+
+        moved = learners[0].state.export_fragment(0)  # round 0 applied: past its parent
+        assert await gate.judge(record, 1.0, lambda: state_of(parent), chain) == (Gate.APPLY, "")
+        forged = dataclasses.replace(record, hash="f" * 32)
+        verdict, why = await gate.judge(forged, 1.0, lambda: state_of(parent), chain)
+        assert verdict is Gate.CONVICTED and "hash differs" in why
+        assert await gate.judge(record, 1.0, lambda: state_of(moved), chain) == (Gate.MOVED, "")
+        gate.auditor = None  # a peer that does not audit applies what the chain commits
+        assert await gate.judge(forged, 1.0, lambda: state_of(parent), chain) == (Gate.APPLY, "")
 
     scenario(3, body)
 

@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from enum import Enum
 
 from p2pdiloco import wire
 from p2pdiloco.outer.fragment_state import FragmentState
@@ -83,6 +84,19 @@ def sampling_divisor(listed: int, live_learners: int) -> int:
     apply a round, at most the contributions the record lists (a synchronizer can only
     lower it, and be audited more), at least one."""
     return max(1, min(listed, live_learners))
+
+
+class Gate(Enum):
+    """What the audit gate says of a committed update (`Audits.judge`)."""
+
+    APPLY = "apply"
+    """Audited OK, or not sampled and in line: apply it."""
+    HOLD = "hold"
+    """Out of line and not verified: not applied now; audited again after a back-off."""
+    CONVICTED = "convicted"
+    """Its merge is proven false: never applied, its synchronizer banned."""
+    MOVED = "moved"
+    """The replica moved past the record's parent meanwhile: nothing to judge here."""
 
 
 class Audits:
@@ -167,6 +181,37 @@ class Audits:
             )
             return True
         return random.random() < self.audit_share / sampling_divisor(len(record.contributions), len(self.live_learners()))
+
+    async def judge(
+        self,
+        record: RoundRecord,
+        norm: float,
+        parent_state: Callable[[], Awaitable[FragmentState]],
+        chain: dict[int, RoundRecord],
+    ) -> tuple[Gate, str]:
+        """The one question a replica asks before applying `record`'s update (outer-gradient
+        norm `norm`): apply it, hold it, or never (a proven lie). Sampled or out of line,
+        the merge is recomputed on the parent state (`parent_state`, read only when an audit
+        runs); a verified record lifts any distrust, one that must be verified and cannot
+        be is held and its next audit backs off. (what, why) with why empty unless held
+        or convicted."""
+        if not self.should_audit(record, norm):
+            return Gate.APPLY, ""
+        snapshot = await parent_state()
+        if (snapshot.round, snapshot.hash) != (record.round, record.parent):
+            # the replica moved meanwhile (a learner's call or another pass applied the
+            # round): a local race, not a reason to hold the update or distrust its
+            # synchronizer (the audit would say "not the round's parent")
+            return Gate.MOVED, ""
+        result = await self.audit(record, snapshot, chain)
+        if result.verdict == MISMATCH:
+            return Gate.CONVICTED, result.reason
+        if result.verdict == OK:
+            self.verified(record)
+        elif self.must_verify(record, norm):
+            self.unverified(record, result.reason)
+            return Gate.HOLD, result.reason  # tried again next pass, re-run past void_after_s
+        return Gate.APPLY, ""
 
     def unverified(self, record: RoundRecord, reason: str) -> None:
         """An update that must be verified and could not be (its synchronizer did not serve

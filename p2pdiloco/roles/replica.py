@@ -51,13 +51,13 @@ from p2pdiloco.protocol.rounds import (
     superseded_digests,
 )
 from p2pdiloco.roles import peer_records
-from p2pdiloco.roles.audit_gate import Audits
+from p2pdiloco.roles.audit_gate import Audits, Gate
 from p2pdiloco.roles.download import StateDownload, span_of, vouched_by_signers
 from p2pdiloco.roles.serving import UpdateServer
 from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.transport.base import Transport, TransportError, transfer_timeout_s
 from p2pdiloco.trust.admission import Admission
-from p2pdiloco.trust.audit import MISMATCH, OK, Auditor, AuditResult
+from p2pdiloco.trust.audit import Auditor, AuditResult
 from p2pdiloco.trust.entitlement import Entitlement
 from p2pdiloco.wire import messages
 from p2pdiloco.wire.updates import Update, parse_update
@@ -540,22 +540,17 @@ class ReplicaSync:
             decoded, norm = await loop.run_in_executor(self.worker, decoded_with_norm, update)
         except ValueError as exc:
             return self._refuse(record, f"update does not decode: {exc}")
-        if self.audits.should_audit(record, norm):
-            snapshot = await loop.run_in_executor(self.worker, self.state.export_fragment, record.fragment)
-            if (snapshot.round, snapshot.hash) != (record.round, record.parent):
-                # the replica moved meanwhile (a learner's call or another pass applied the
-                # round): a local race, not a reason to hold the update or distrust its
-                # synchronizer (the audit would say "not the round's parent")
-                return self.state.applied_hashes[record.fragment].get(record.round) == record.hash
-            result = await self.audit(record, snapshot)
-            if result.verdict == MISMATCH:
-                await self._convicted(record, result.reason)
-                return False
-            if result.verdict == OK:
-                self.audits.verified(record)
-            if result.verdict != OK and self.audits.must_verify(record, norm):
-                self.audits.unverified(record, result.reason)
-                return False  # held: tried again next pass, re-run past void_after_s
+        gate, why = await self.audits.judge(
+            record, norm, lambda: loop.run_in_executor(self.worker, self.state.export_fragment, record.fragment),
+            self.chains[record.fragment],
+        )  # fmt: skip
+        if gate is Gate.CONVICTED:
+            await self._convicted(record, why)
+            return False
+        if gate is Gate.HOLD:
+            return False
+        if gate is Gate.MOVED:
+            return self.state.applied_hashes[record.fragment].get(record.round) == record.hash
         if update.parent != record.parent:
             return self._refuse(record, "update's parent is not its record's")
         async with self._locks[record.fragment]:  # the network is behind us: install only
