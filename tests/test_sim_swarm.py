@@ -11,17 +11,21 @@ import pytest
 import torch
 
 from p2pdiloco import compress, wire
+from p2pdiloco.roles import commit
 from p2pdiloco.sim.fair_share import FairShareLinks
 from p2pdiloco.sim.links import LOOPBACK, Population, StepTrace
 from p2pdiloco.sim.swarm import (
     PARAMS,
     PresetBytes,
     SimNetwork,
+    Swarm,
     applied_pace,
     sim_config,
     simulate,
 )
 from p2pdiloco.sim.virtual_time import Deadlock, InlineExecutor, VirtualClock, run_virtual
+from p2pdiloco.transport import base
+from p2pdiloco.transport.base import PayloadDeadlines, transfer_timeout_s
 from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
 from p2pdiloco.transport.traffic import Traffic, key_category, rpc_category
 from p2pdiloco.wire import messages
@@ -147,6 +151,24 @@ def test_bulk_flows_share_a_link_and_a_cancelled_one_frees_it_at_once() -> None:
     assert abs(ended["ab"] - 2.0) < 1e-6 and abs(ended["ac"] - 2.0) < 1e-6, ended
     assert abs(ended["slow"] - 1.0) < 1e-6, ended  # 1 MB at the receiver's 1 MB/s
     assert abs(ended["after"] - 2.0) < 1e-6, ended  # starts at 1.0 s, alone on b's uplink
+
+
+def test_a_simulated_peer_of_a_larger_preset_gets_its_deadlines_and_pushes_as_declared_seams() -> None:
+    """The simulator hands each peer's roles what it changes (`deadlines`, `more_pushes`)
+    where it assembles them, instead of swapping the roles' module globals: the real
+    roles' defaults stay as they are, during and after a simulated run."""
+    config = sim_config()
+    preset = PresetBytes.of(150_000_000, config)
+    swarm = Swarm(3, config, Population(), preset=preset, update_pushes=2)
+    peer = swarm.add_peer()
+    roles = (peer.synchronizer.committer, peer.learner_link, peer.replicas, peer.replicas.downloads)
+    assert all(role.deadlines == preset.deadlines() for role in roles)
+    assert peer.synchronizer.committer.more_pushes == 2
+    assert preset.deadlines().for_elements(10.0, 1000) > PayloadDeadlines().for_elements(10.0, 1000)
+    assert PayloadDeadlines().for_frame(10.0, 5000) == transfer_timeout_s(10.0, 5000)  # a real peer's
+    simulate(3, 20.0, config=config, warmup_s=0.0, update_pushes=1, preset_params=150_000_000)
+    assert commit.MORE_PUSHES == 8  # untouched: the constant is the real roles' default
+    assert transfer_timeout_s is base.transfer_timeout_s
 
 
 def test_a_larger_preset_is_charged_its_tensor_bytes_per_frame_not_a_multiple_of_the_header() -> None:

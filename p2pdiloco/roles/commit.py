@@ -48,7 +48,7 @@ from p2pdiloco.protocol.window_rules import RunningMean
 from p2pdiloco.roles.replica import ReplicaSync
 from p2pdiloco.roles.state import GlobalState
 from p2pdiloco.roles.window import Window
-from p2pdiloco.transport.base import Transport, TransportError, transfer_timeout_s
+from p2pdiloco.transport.base import PayloadDeadlines, Transport, TransportError
 from p2pdiloco.transport.ratelimit import RateLimiter
 from p2pdiloco.wire import messages
 from p2pdiloco.wire.contributions import (
@@ -180,6 +180,11 @@ class Committer:
         """Contribution lists served per caller: an auditor asks once per audited round
         (at most one a fragment a second, sustained); a flood is refused."""
         self.sync_time = RunningMean()
+        self.deadlines = PayloadDeadlines()
+        """Push deadlines by the update's size (a simulated peer scales them to its preset)."""
+        self.more_pushes = MORE_PUSHES
+        """Learners pushed the update beyond its holders (`MORE_PUSHES`; the simulator
+        sweeps it)."""
         self.tasks: set[asyncio.Task] = set()
         """Background pushes still running after their commit."""
 
@@ -256,7 +261,7 @@ class Committer:
         need = min(self.config.sync.commit_holders, len(targets))
         if need == 0:
             return []
-        timeout_s = transfer_timeout_s(HOLD_TIMEOUT_S, len(update.frame))
+        timeout_s = self.deadlines.for_update(HOLD_TIMEOUT_S, len(update.frame))
         holders: list[Held] = []
         queue = list(targets)  # not tried yet: a failed push is not repeated
         running: set[asyncio.Future] = set()
@@ -276,7 +281,7 @@ class Committer:
         if not holders:  # a holder that is dead or unreachable must not fail the round
             return None
         if queue:
-            task = asyncio.ensure_future(self._push_rest(queue[:MORE_PUSHES], update, timeout_s))
+            task = asyncio.ensure_future(self._push_rest(queue[:self.more_pushes], update, timeout_s))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
         return list(holders)

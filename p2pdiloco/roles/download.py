@@ -27,7 +27,7 @@ from p2pdiloco.outer.fragment_state import FragmentState
 from p2pdiloco.protocol.membership import Heartbeat
 from p2pdiloco.protocol.rounds import RoundRecord
 from p2pdiloco.roles.state import GlobalState
-from p2pdiloco.transport.base import Transport, TransportError, transfer_timeout_s
+from p2pdiloco.transport.base import PayloadDeadlines, Transport, TransportError
 from p2pdiloco.wire import messages
 from p2pdiloco.wire.state_transfer import MAX_PART_ELEMENTS, PartsAssembler, decode_part
 
@@ -125,6 +125,8 @@ class StateDownload:
         self.worker = worker
         self.on_event = on_event
         self.bytes_received = 0
+        self.deadlines = PayloadDeadlines()
+        """Download deadlines by the fragment's size (a simulated peer scales them)."""
 
     def donors(self, fragment: int, head: int = 0) -> list[str]:
         """Live learners that accept connections and hold the fragment past round 0: those
@@ -180,7 +182,7 @@ class StateDownload:
             return None
         # one donor gets at most a whole fragment's time at the slowest expected link
         # (parameters, momentum, sums: 12 bytes a parameter); the download twice that
-        per_donor_s = transfer_timeout_s(STATE_TIMEOUT_S, 12 * self.state.sizes[fragment])
+        per_donor_s = self.deadlines.for_elements(STATE_TIMEOUT_S, 12 * self.state.sizes[fragment])
         deadline = time.monotonic() + 2 * per_donor_s
         loop = asyncio.get_running_loop()
 
@@ -240,7 +242,7 @@ class StateDownload:
                     donor,
                     f"{self.run}.{messages.RPC_GET_STATE}",
                     request,
-                    timeout_s=transfer_timeout_s(STATE_TIMEOUT_S, 4 * min(MAX_PART_ELEMENTS, 2 * elements)),
+                    timeout_s=self.deadlines.for_elements(STATE_TIMEOUT_S, 4 * min(MAX_PART_ELEMENTS, 2 * elements)),
                     max_response_bytes=self.limits.max_frame_bytes,
                 )
             except TransportError as exc:

@@ -23,7 +23,7 @@ from p2pdiloco.protocol.election import synchronizer_order
 from p2pdiloco.protocol.membership import Heartbeat
 from p2pdiloco.protocol.rounds import RoundRecord, open_record
 from p2pdiloco.roles.replica import ReplicaSync
-from p2pdiloco.transport.base import Transport, TransportError, transfer_timeout_s
+from p2pdiloco.transport.base import PayloadDeadlines, Transport, TransportError
 from p2pdiloco.wire import messages
 from p2pdiloco.wire.contributions import seal_contribution
 from p2pdiloco.wire.messages import NoAnswer, Outcome
@@ -68,6 +68,8 @@ class LearnerLink:
         self.members = members
         self.limits = limits
         self.bytes_received = 0
+        self.deadlines = PayloadDeadlines()
+        """Call deadlines by the frame's size (a simulated peer scales them to its preset)."""
 
     def call_timeout_s(self, frame_bytes: int) -> float:
         """A live synchronizer answers by its deadline plus grace, merge and commit time,
@@ -75,7 +77,7 @@ class LearnerLink:
         if the first holder fails) on a slow link; only a dead or frozen one runs past
         this (then: failover)."""
         sync = self.sync
-        return transfer_timeout_s(sync.round_deadline_s + sync.max_grace_s + 30.0, 3 * frame_bytes)
+        return self.deadlines.for_frame(sync.round_deadline_s + sync.max_grace_s + 30.0, 3 * frame_bytes)
 
     def overall_timeout_s(self, frame_bytes: int) -> float:
         """Bound on one contribution, every candidate and move included."""

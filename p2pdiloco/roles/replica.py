@@ -55,7 +55,7 @@ from p2pdiloco.roles.audit_gate import Audits, Gate
 from p2pdiloco.roles.download import StateDownload, span_of, vouched_by_signers
 from p2pdiloco.roles.serving import UpdateServer
 from p2pdiloco.roles.state import GlobalState
-from p2pdiloco.transport.base import Transport, TransportError, transfer_timeout_s
+from p2pdiloco.transport.base import PayloadDeadlines, Transport, TransportError
 from p2pdiloco.trust.admission import Admission
 from p2pdiloco.trust.audit import Auditor, AuditResult
 from p2pdiloco.trust.entitlement import Entitlement
@@ -154,6 +154,8 @@ class ReplicaSync:
         )
         self.server.named = self.entitlement.proven_anywhere
         self.downloads = StateDownload(transport, run, state, members, limits, worker, on_event)
+        self.deadlines = PayloadDeadlines()
+        """Fetch deadlines by the fragment's size (a simulated peer scales them)."""
         self.audits = Audits(
             transport, run, state, limits, worker, self.entitlement, self.downloads, on_event, auditor, audit_share
         )
@@ -695,7 +697,7 @@ class ReplicaSync:
                     peer,
                     f"{self.run}.{messages.RPC_GET_UPDATE}",
                     request,
-                    timeout_s=transfer_timeout_s(FETCH_TIMEOUT_S, self.state.sizes[record.fragment]),
+                    timeout_s=self.deadlines.for_elements(FETCH_TIMEOUT_S, self.state.sizes[record.fragment]),
                     max_response_bytes=self.limits.max_frame_bytes,
                 )
             except TransportError:

@@ -35,7 +35,7 @@ import math
 import random
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +47,6 @@ from p2pdiloco.config import RunConfig, config_hash, replace
 from p2pdiloco.identity import Identity
 from p2pdiloco.protocol import membership, rounds
 from p2pdiloco.protocol.membership import Heartbeat
-from p2pdiloco.roles import commit, download, learner_link, replica
 from p2pdiloco.roles.learner_link import LearnerLink
 from p2pdiloco.roles.presence import Membership
 from p2pdiloco.roles.replica import ReplicaSync
@@ -56,7 +55,7 @@ from p2pdiloco.roles.synchronizer import Synchronizer
 from p2pdiloco.sim.fair_share import FairShareLinks
 from p2pdiloco.sim.links import PUBLIC, RELAYED, Link, Population, StepTrace
 from p2pdiloco.sim.virtual_time import InlineExecutor, VirtualClock, run_virtual
-from p2pdiloco.transport.base import PeerUnreachable, TransportError, transfer_timeout_s
+from p2pdiloco.transport.base import PayloadDeadlines, PeerUnreachable, TransportError
 from p2pdiloco.transport.memory import MemoryNetwork, MemoryTransport
 from p2pdiloco.transport.traffic import CATEGORIES, PROTOCOL, rpc_category
 from p2pdiloco.trust import record_rules
@@ -308,6 +307,10 @@ class PresetBytes:
     update_scale: float = 1.0
     """`frame_scale` of an update frame (the committer's push deadlines)."""
 
+    def deadlines(self) -> PayloadDeadlines:
+        """The roles' payload deadlines at the preset's sizes."""
+        return PayloadDeadlines(self.update_scale, self.frame_scale, self.element_scale)
+
     @classmethod
     def of(cls, preset_params: int, config: RunConfig) -> PresetBytes:
         meta = {
@@ -423,8 +426,15 @@ class Swarm:
         tokens_per_step: int = 1024,
         step_times_s: list[float] | None = None,
         step_traces: list[StepTrace] | None = None,
+        update_pushes: int | None = None,
     ) -> None:
         self.n = n
+        self.deadlines = preset.deadlines() if preset is not None else PayloadDeadlines()
+        """What each simulated peer's roles size their payload deadlines by: the preset's
+        sizes, as a real peer of that preset computes them (set on each role)."""
+        self.update_pushes = update_pushes
+        """Learners a synchronizer pushes a committed update to beyond its holders (None:
+        the roles' own `commit.MORE_PUSHES`; a large number is the former push to all)."""
         self.step_times_s = step_times_s
         """Per peer (cycled), seconds per inner step instead of the population's draw
         (the agreement check gives the real learners' measured step times)."""
@@ -517,6 +527,10 @@ class Swarm:
             screening_rules=self.config.screening,
         )
         link_ = LearnerLink(transport, RUN, self.config.sync, replicas, members.view, limits)
+        for role in (synchronizer.committer, link_, replicas, replicas.downloads):
+            role.deadlines = self.deadlines
+        if self.update_pushes is not None:
+            synchronizer.committer.more_pushes = self.update_pushes
         peer = SimPeer(transport, link, self.config, state, members, replicas, synchronizer, link_)
         if self.step_traces:
             peer.trace = self.step_traces[len(self.peers) % len(self.step_traces)]
@@ -818,49 +832,19 @@ def simulate(
     preset = PresetBytes.of(preset_params, config) if preset_params != PARAMS else None
     swarm = Swarm(
         n, config, population or Population(), seed, preset, step_times_s=step_times_s,
-        step_traces=step_traces,
+        step_traces=step_traces, update_pushes=update_pushes,
     )
     package_log = logging.getLogger("p2pdiloco")
-    level, pushes = package_log.level, commit.MORE_PUSHES
+    level = package_log.level
     package_log.setLevel(logging.ERROR)  # a thousand peers' routine warnings, not the figures
     drawn = random.getstate()
     random.seed(seed)  # the roles' own draws (audit sampling, backoff jitter)
-    if update_pushes is not None:
-        commit.MORE_PUSHES = update_pushes
     try:
-        with shared_verdicts(), scaled_deadlines(preset):
+        with shared_verdicts():
             return run_virtual(swarm.run(seconds, warmup_s), swarm.clock)
     finally:
         package_log.setLevel(level)
-        commit.MORE_PUSHES = pushes
         random.setstate(drawn)
-
-
-@contextlib.contextmanager
-def scaled_deadlines(preset: PresetBytes | None) -> Iterator[None]:
-    """The roles size a payload call's deadline by its size (`transfer_timeout_s`): the
-    committer and the learner link by the frame's bytes, the update fetch and the state
-    download by the fragment's parameter count. Simulating a larger preset, those sizes
-    are the preset's (`PresetBytes`), as a real peer of that preset computes them."""
-    if preset is None:
-        yield
-        return
-    original = transfer_timeout_s
-
-    def scaled_by(factor: float) -> Callable[[float, int], float]:
-        return lambda base_s, size: original(base_s, int(size * factor))
-
-    patched = {
-        commit: preset.update_scale, learner_link: preset.frame_scale,
-        replica: preset.element_scale, download: preset.element_scale,
-    }  # fmt: skip
-    for module, factor in patched.items():
-        module.transfer_timeout_s = scaled_by(factor)
-    try:
-        yield
-    finally:
-        for module in patched:
-            module.transfer_timeout_s = original
 
 
 @contextlib.contextmanager

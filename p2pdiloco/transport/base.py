@@ -64,6 +64,30 @@ def transfer_timeout_s(base_s: float, nbytes: int) -> float:
     return base_s + max(nbytes, 0) / MIN_LINK_BYTES_PER_S
 
 
+@dataclass(frozen=True)
+class PayloadDeadlines:
+    """The deadline of a payload call by the size the caller measures (`transfer_timeout_s`),
+    for the three sizes the roles measure: an update frame's bytes (the committer's pushes),
+    a contribution frame's bytes (the learner link) and a fragment's parameter count (the
+    update fetch, the state download). A real peer uses the sizes as they are; a simulated
+    peer of a larger preset than the small model it runs says how much larger (its one
+    declared seam for deadlines, set on each role as `deadlines`)."""
+
+    update_scale: float = 1.0
+    frame_scale: float = 1.0
+    element_scale: float = 1.0
+
+    def for_update(self, base_s: float, nbytes: int) -> float:
+        return transfer_timeout_s(base_s, int(nbytes * self.update_scale))
+
+    def for_frame(self, base_s: float, nbytes: int) -> float:
+        return transfer_timeout_s(base_s, int(nbytes * self.frame_scale))
+
+    def for_elements(self, base_s: float, nbytes: int) -> float:
+        """`nbytes`: bytes computed from a parameter count (scaled as the count is)."""
+        return transfer_timeout_s(base_s, int(nbytes * self.element_scale))
+
+
 class TransportError(Exception):
     """A peer or network fault; callers catch this and carry on."""
 
