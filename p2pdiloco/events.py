@@ -37,29 +37,29 @@ def _kinds(*kinds: EventKind) -> dict[str, EventKind]:
     return {kind.name: kind for kind in kinds}
 
 
-FR = ("fragment", "round")
+_FR = ("fragment", "round")
 KINDS: dict[str, EventKind] = _kinds(
     # rounds, as a replica follows them
-    EventKind("applied", (*FR, "hash"), "a replica applied a committed round"),
-    EventKind("downloaded", (*FR, "hash", "donor"), "a replica installed a verified state from a donor"),
+    EventKind("applied", (*_FR, "hash"), "a replica applied a committed round"),
+    EventKind("downloaded", (*_FR, "hash", "donor"), "a replica installed a verified state from a donor"),
     EventKind("joined", ("rounds", "hashes"), "the peer found the run and holds these rounds"),
-    EventKind("diverged", FR, "a record's parent is not the state here: the replica repairs"),
+    EventKind("diverged", _FR, "a record's parent is not the state here: the replica repairs"),
     EventKind("repair", ("fragment",), "the replica fetches the state again after a divergence"),
-    EventKind("voided", FR, "a held round was dropped: its record lost to a rival"),
+    EventKind("voided", _FR, "a held round was dropped: its record lost to a rival"),
     EventKind("records_from_peer", ("fragment", "peer", "records", "new"), "round records read from a peer"),
-    EventKind("republished", (*FR, "records"), "this peer stored the chain's records in the DHT again"),
+    EventKind("republished", (*_FR, "records"), "this peer stored the chain's records in the DHT again"),
     # audits
-    EventKind("audited", (*FR, "synchronizer", "verdict", "reason"), "a round's merge recomputed here"),
-    EventKind("unverified", (*FR, "synchronizer", "reason"), "an out-of-line update held: it could not be audited"),
-    EventKind("convicted", (*FR, "synchronizer", "reason"), "a false merge proven: its synchronizer is banned"),
+    EventKind("audited", (*_FR, "synchronizer", "verdict", "reason"), "a round's merge recomputed here"),
+    EventKind("unverified", (*_FR, "synchronizer", "reason"), "an out-of-line update held: it could not be audited"),
+    EventKind("convicted", (*_FR, "synchronizer", "reason"), "a false merge proven: its synchronizer is banned"),
     EventKind("false_notice", ("auditor", "round"), "a fraud notice that did not check out"),
     # the synchronizer
-    EventKind("window_open", FR, "this peer opened the window of a round it synchronizes"),
-    EventKind("window_moved", (*FR, "to"), "a better-placed synchronizer took the window"),
-    EventKind("rejected", (*FR, "peer", "reason"), "a contribution refused by the screening or the decoder"),
+    EventKind("window_open", _FR, "this peer opened the window of a round it synchronizes"),
+    EventKind("window_moved", (*_FR, "to"), "a better-placed synchronizer took the window"),
+    EventKind("rejected", (*_FR, "peer", "reason"), "a contribution refused by the screening or the decoder"),
     EventKind(
         "round_closed",
-        (*FR, "hash", "contributors", "weights", "tokens", "steps", "step_ranges", "staleness", "refused",
+        (*_FR, "hash", "contributors", "weights", "tokens", "steps", "step_ranges", "staleness", "refused",
          "holders", "clip_norm", "grace_s", "sync_s", "history_from"),
         "this peer committed a round",
     ),  # fmt: skip
@@ -67,11 +67,11 @@ KINDS: dict[str, EventKind] = _kinds(
     EventKind("step", ("step", "loss", "rounds"), "every 10 inner steps", open=True),
     EventKind("eval", ("step", "rounds", "eval_loss"), "the global model's held-out loss"),
     EventKind("shipped", ("fragment", "round", "base_round", "steps", "tokens", "first_step", "last_step"), "a delta sent"),
-    EventKind("contributed", (*FR, "status", "synchronizer", "weight", "reason"), "the answer to a delta"),
-    EventKind("delta_merged", (*FR, "steps", "tokens", "weight", "first_step", "last_step"), "a delta merged"),
-    EventKind("delta_folded", (*FR, "steps", "tokens", "reason"), "a delta not merged: its work stays local"),
-    EventKind("delta_unmerged", (*FR, "steps", "tokens"), "a rival record left a merged delta out"),
-    EventKind("delta_merged_late", (*FR, "steps", "tokens"), "a rival record lists a delta folded here"),
+    EventKind("contributed", (*_FR, "status", "synchronizer", "weight", "reason"), "the answer to a delta"),
+    EventKind("delta_merged", (*_FR, "steps", "tokens", "weight", "first_step", "last_step"), "a delta merged"),
+    EventKind("delta_folded", (*_FR, "steps", "tokens", "reason"), "a delta not merged: its work stays local"),
+    EventKind("delta_unmerged", (*_FR, "steps", "tokens"), "a rival record left a merged delta out"),
+    EventKind("delta_merged_late", (*_FR, "steps", "tokens"), "a rival record lists a delta folded here"),
     EventKind("steps_lost", ("fragment", "steps", "tokens", "first_step", "last_step", "reason"), "work dropped"),
     EventKind("local_reset", ("fragment",), "the local progress of a fragment was reset"),
     EventKind("trainer_finished", (), "a multi-process learner released its other ranks", open=True),
@@ -83,12 +83,12 @@ KINDS: dict[str, EventKind] = _kinds(
     EventKind("checkpoint_saved", ("path", "step", "global_rounds"), "a checkpoint written"),
     EventKind("checkpoint_refused", ("fragment", "reason"), "a saved fragment that did not verify"),
     EventKind("resumed", ("rounds", "hashes", "dir"), "the verified state restored from the checkpoint"),
-    EventKind("memory", FR + ("rss_bytes", "heap_free_bytes", "census_s"), "a memory census", open=True),
+    EventKind("memory", (*_FR, "rss_bytes", "heap_free_bytes", "census_s"), "a memory census", open=True),
     EventKind("reachability", ("mode", "client_mode", "reason"), "how peers reach this one", ("asked", "reachable")),
     EventKind("relay_slot", ("addresses",), "a relay slot taken", ("waited_s",)),
     EventKind("relay_slot_lost", ("addresses",), "the relay slot is gone"),
     EventKind("relay_renewed", ("waited_s", "renewals"), "the relay slot asked for again"),
-    EventKind("crashing", (*FR, "phase"), "a fault injected at this phase (tests, bench_chaos)"),
+    EventKind("crashing", (*_FR, "phase"), "a fault injected at this phase (tests, bench_chaos)"),
     EventKind("summary", (), "the peer's totals, on leaving", open=True),
     EventKind("stopped", (), "the peer stopped"),
 )

@@ -68,9 +68,10 @@ BACKGROUND_PUSHES = 2
 """Pushes to further learners at once, after the commit holders acked: each one shares
 the synchronizer's uplink with the rest."""
 MORE_PUSHES = 8
-"""Learners the synchronizer pushes the committed update to beyond its holders. The rest fetch it from the peers that hold it (`ReplicaSync._fetch_order`, each
-fetcher in an order of its own), so what a synchronizer uploads per round is bounded by
-(holders + this) frames, not one frame per peer of the swarm."""
+"""Learners the synchronizer pushes the committed update to beyond its holders. The rest
+fetch it from the peers that hold it (`ReplicaSync._fetch_order`, each fetcher in an order
+of its own), so what a synchronizer uploads per round is bounded by (holders + this)
+frames, not one frame per peer of the swarm."""
 
 
 COMMITTED_ELSEWHERE = "round committed elsewhere"
